@@ -1,0 +1,164 @@
+"""All ``lease_*`` settings, read from ``app.conf`` and validated once.
+
+Settings are lowercase keys on the Celery configuration, so with Django's
+``namespace="CELERY"`` they are written ``CELERY_LEASE_DATABASE_URL`` and so on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from .exceptions import ConfigurationError
+
+DEFAULT_DATABASE_URL = "sqlite:///celery-lease.sqlite3"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseConfig:
+    """Validated settings of one Celery app (seconds are floats; fractions allowed)."""
+
+    #: SQLAlchemy URL of the store. Default: a SQLite file in the working directory.
+    database_url: str = DEFAULT_DATABASE_URL
+    #: Prefix of every table name (lets several apps share one database).
+    table_prefix: str = "lease_"
+    #: PostgreSQL schema holding the tables (``None``: the connection's search_path).
+    schema: str | None = None
+    #: Default lease TTL of a task: its lease is alive while its owner's heartbeat is younger.
+    ttl: float = 30.0
+    #: How often a worker renews its heartbeat row.
+    heartbeat_interval: float = 5.0
+    #: How often the reaper sweeps (beat entry and embedded reaper).
+    reaper_interval: float = 5.0
+    #: Rows handled per reaper batch (each batch is one short transaction).
+    reaper_batch_size: int = 100
+    #: Run the reaper inside every worker's main process, behind a database lock.
+    embedded_reaper: bool = True
+    #: Register the reaper as a beat entry.
+    beat_reaper: bool = True
+    #: A PENDING row published but not claimed for this long is published again.
+    republish_after: float = 300.0
+    #: A PENDING row whose producer never marked it published is published after this grace.
+    publish_grace: float = 10.0
+    #: Lease expiries tolerated before a task goes to WAIT_MANUAL instead of retrying.
+    max_recoveries: int = 5
+    #: A task older than this (seconds since submission) is never recovered automatically.
+    max_age: float | None = None
+    #: Default ``max_runtime`` of tasks (``None``: no limit).
+    max_runtime: float | None = None
+    #: Results larger than this (JSON bytes) are not stored; a note is stored instead.
+    result_max_bytes: int = 65536
+    #: Create or upgrade the schema automatically (always done for SQLite).
+    auto_migrate: bool = False
+    #: SQLAlchemy connection pool size per process.
+    pool_size: int = 5
+    #: Seconds a SQLite writer waits for the file lock.
+    sqlite_busy_timeout: float = 30.0
+    #: Backend statement retries for transient errors (connection lost) before giving up.
+    db_retries: int = 3
+
+    def __post_init__(self) -> None:
+        positive = {
+            "lease_ttl": self.ttl,
+            "lease_heartbeat_interval": self.heartbeat_interval,
+            "lease_reaper_interval": self.reaper_interval,
+            "lease_republish_after": self.republish_after,
+            "lease_publish_grace": self.publish_grace,
+            "lease_sqlite_busy_timeout": self.sqlite_busy_timeout,
+        }
+        for key, value in positive.items():
+            if not value > 0:
+                raise ConfigurationError(
+                    f"{key} must be a positive number of seconds, got {value!r}"
+                )
+        if self.heartbeat_interval >= self.ttl:
+            raise ConfigurationError(
+                f"lease_heartbeat_interval ({self.heartbeat_interval}) must be shorter than "
+                f"lease_ttl ({self.ttl}), or every lease would look expired between heartbeats"
+            )
+        for key, ivalue in {
+            "lease_reaper_batch_size": self.reaper_batch_size,
+            "lease_result_max_bytes": self.result_max_bytes,
+            "lease_pool_size": self.pool_size,
+        }.items():
+            if ivalue < 1:
+                raise ConfigurationError(f"{key} must be at least 1, got {ivalue!r}")
+        if self.max_recoveries < 0 or self.db_retries < 0:
+            raise ConfigurationError("lease_max_recoveries and lease_db_retries must be >= 0")
+        for key, ovalue in {
+            "lease_max_age": self.max_age,
+            "lease_max_runtime": self.max_runtime,
+        }.items():
+            if ovalue is not None and not ovalue > 0:
+                raise ConfigurationError(f"{key} must be positive or None, got {ovalue!r}")
+        if not self.table_prefix.replace("_", "").isalnum():
+            raise ConfigurationError(
+                f"lease_table_prefix must be letters, digits and underscores, got {self.table_prefix!r}"
+            )
+
+
+#: setting name on app.conf -> (field name, type)
+_FIELDS: dict[str, tuple[str, type]] = {
+    "lease_database_url": ("database_url", str),
+    "lease_table_prefix": ("table_prefix", str),
+    "lease_schema": ("schema", str),
+    "lease_ttl": ("ttl", float),
+    "lease_heartbeat_interval": ("heartbeat_interval", float),
+    "lease_reaper_interval": ("reaper_interval", float),
+    "lease_reaper_batch_size": ("reaper_batch_size", int),
+    "lease_embedded_reaper": ("embedded_reaper", bool),
+    "lease_beat_reaper": ("beat_reaper", bool),
+    "lease_republish_after": ("republish_after", float),
+    "lease_publish_grace": ("publish_grace", float),
+    "lease_max_recoveries": ("max_recoveries", int),
+    "lease_max_age": ("max_age", float),
+    "lease_max_runtime": ("max_runtime", float),
+    "lease_result_max_bytes": ("result_max_bytes", int),
+    "lease_auto_migrate": ("auto_migrate", bool),
+    "lease_pool_size": ("pool_size", int),
+    "lease_sqlite_busy_timeout": ("sqlite_busy_timeout", float),
+    "lease_db_retries": ("db_retries", int),
+}
+
+SETTINGS: tuple[str, ...] = tuple(_FIELDS)
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    if value is None:
+        return None
+    if kind is bool:
+        if isinstance(value, str):
+            lowered = value.strip().lower()
+            if lowered in {"1", "true", "yes", "on"}:
+                return True
+            if lowered in {"0", "false", "no", "off"}:
+                return False
+            raise ConfigurationError(f"{key} must be a boolean, got {value!r}")
+        return bool(value)
+    if kind in (int, float) and isinstance(value, bool):
+        raise ConfigurationError(f"{key} must be a number, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"{key} must be {kind.__name__}, got {value!r}") from exc
+
+
+def from_mapping(conf: Any) -> LeaseConfig:
+    """Build a validated :class:`LeaseConfig` from a Celery ``app.conf`` (or any mapping).
+
+    ``CELERY_LEASE_DATABASE_URL`` in the environment overrides an unset database URL,
+    which lets the same project point at another store without code changes.
+    """
+    values: dict[str, Any] = {}
+    for key, (field, kind) in _FIELDS.items():
+        try:
+            raw = conf.get(key)
+        except (KeyError, AttributeError):
+            raw = None
+        if raw is None:
+            continue
+        values[field] = _coerce(key, raw, kind)
+    if "database_url" not in values and os.environ.get("CELERY_LEASE_DATABASE_URL"):
+        values["database_url"] = os.environ["CELERY_LEASE_DATABASE_URL"]
+    return LeaseConfig(**values)

@@ -1,0 +1,112 @@
+"""Exception hierarchy.
+
+Every exception derives from :class:`Exception` (never ``BaseException``):
+Celery's tracer re-raises ``BaseException`` without recording the task state.
+Details are attributes, not text to parse.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .states import State
+
+
+class CeleryLeaseError(Exception):
+    """Base class of every error raised by celery-lease."""
+
+
+class ConfigurationError(CeleryLeaseError):
+    """A ``lease_*`` setting or a task option is invalid."""
+
+
+class MissingDependencyError(ConfigurationError, ImportError):
+    """An optional dependency is not installed; ``extra`` names the extra to install."""
+
+    def __init__(self, package: str, extra: str) -> None:
+        self.package = package
+        self.extra = extra
+        super().__init__(f"{package} is not installed: pip install 'celery-lease[{extra}]'")
+
+
+class NotSerializable(CeleryLeaseError, TypeError):
+    """A value (task arguments, a step result, a progress cursor) cannot be stored as JSON."""
+
+    def __init__(self, what: str, error: Exception) -> None:
+        self.what = what
+        super().__init__(f"{what} cannot be stored as JSON: {error}")
+
+
+class StoreError(CeleryLeaseError):
+    """The database driver failed; the original error is in ``__cause__``."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached right now (transient: retried with backoff)."""
+
+
+class SchemaOutOfDate(StoreError):
+    """The lease tables are missing or older than this version of celery-lease."""
+
+    def __init__(self, current: int | None, expected: int, url: str) -> None:
+        self.current = current
+        self.expected = expected
+        found = "no lease tables" if current is None else f"schema version {current}"
+        super().__init__(
+            f"{url} has {found}, celery-lease needs version {expected}: "
+            "run `celery -A proj lease migrate` (or set lease_auto_migrate = True)"
+        )
+
+
+class LeaseError(CeleryLeaseError):
+    """An error about one task's lease; ``task_id`` and ``attempt`` say which."""
+
+    def __init__(self, task_id: str | None, attempt: int | None, message: str) -> None:
+        self.task_id = task_id
+        self.attempt = attempt
+        super().__init__(message)
+
+
+class LeaseLost(LeaseError):
+    """This execution no longer holds the task's lease: it must stop and write nothing more."""
+
+    def __init__(self, task_id: str, attempt: int | None, reason: str = "lease lost") -> None:
+        self.reason = reason
+        super().__init__(task_id, attempt, f"task {task_id} attempt {attempt}: {reason}")
+
+
+class IllegalTransition(LeaseError):
+    """The transition table does not allow this change from the task's current state."""
+
+    def __init__(
+        self,
+        task_id: str | None,
+        from_state: State | None,
+        to_state: State,
+        attempt: int | None = None,
+    ) -> None:
+        self.from_state = from_state
+        self.to_state = to_state
+        source = from_state.value if from_state is not None else "(new)"
+        super().__init__(
+            task_id,
+            attempt,
+            f"task {task_id}: {source} -> {to_state.value} is not an allowed transition",
+        )
+
+
+class TaskNotFound(LeaseError):
+    """No row with this task id exists."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id, None, f"no leased task with id {task_id!r}")
+
+
+class TaskCancelled(CeleryLeaseError):
+    """Raised inside a running task at a step boundary after an operator asked to cancel it."""
+
+    def __init__(self, task_id: str, reason: str | None = None) -> None:
+        self.task_id = task_id
+        self.reason = reason
+        super().__init__(f"task {task_id} was cancelled" + (f": {reason}" if reason else ""))

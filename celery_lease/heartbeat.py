@@ -1,0 +1,99 @@
+"""The worker incarnation's heartbeat: one row per worker, renewed from its own thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ._runtime import Incarnation
+from .exceptions import StoreError
+from .store import Store
+
+logger = logging.getLogger("celery_lease.heartbeat")
+
+
+class Heartbeat(threading.Thread):
+    """Renews the incarnation row every ``interval`` seconds: one statement per worker,
+    however many tasks it runs.
+
+    If renewal fails for a whole ``ttl`` (database unreachable, or this process was
+    frozen), the worker treats its leases as lost: it raises the shared fence flag so
+    every running task stops at its next step boundary, and once the database answers
+    again ``on_recovered`` expires the rows it still holds.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        incarnation: Incarnation,
+        *,
+        interval: float,
+        ttl: float,
+        on_recovered: Callable[[str], None],
+    ) -> None:
+        super().__init__(name="celery-lease-heartbeat", daemon=True)
+        self.store = store
+        self.incarnation = incarnation
+        self.interval = interval
+        self.ttl = ttl
+        self.on_recovered = on_recovered
+        self.renewals = 0
+        self._stop_event = threading.Event()
+        self._last_ok = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def beat(self) -> bool:
+        """Renew once; returns whether the renewal was recorded."""
+        inc = self.incarnation
+        # A gap longer than the TTL means others may already have expired our leases:
+        # whatever we still hold is lost, even if this renewal succeeds.
+        gap = time.monotonic() - self._last_ok
+        if gap >= self.ttl and not inc.flags.fenced:
+            logger.error(
+                "worker %s: heartbeat not renewed for %.1f s (TTL %.1f s): "
+                "treating its leases as lost",
+                inc.nodename,
+                gap,
+                self.ttl,
+            )
+            inc.flags.fenced = True
+        try:
+            renewed = self.store.renew(inc.id)
+            if not renewed:
+                # someone marked this incarnation stopped (a restart under the same node
+                # name elsewhere, or an operator): its leases were expired; start anew
+                logger.error(
+                    "worker %s: incarnation %s was marked stopped by someone else "
+                    "(duplicate node name?); re-registering",
+                    inc.nodename,
+                    inc.id,
+                )
+                inc.flags.fenced = True
+                self.store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid)
+                self.store.reactivate_worker(inc.id)
+        except StoreError as error:
+            logger.warning("worker %s: heartbeat failed: %s", inc.nodename, error)
+            return False
+        self._last_ok = time.monotonic()
+        self.renewals += 1
+        if inc.flags.fenced:
+            try:
+                self.on_recovered(
+                    f"worker {inc.nodename} self-fenced: heartbeat lapsed for {gap:.1f} s"
+                )
+            except StoreError as error:
+                logger.warning(
+                    "worker %s: could not expire fenced leases yet: %s", inc.nodename, error
+                )
+                return True
+            inc.flags.fenced = False
+            logger.warning("worker %s: heartbeat restored; fenced leases expired", inc.nodename)
+        return True
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.beat()

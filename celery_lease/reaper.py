@@ -1,0 +1,152 @@
+"""The reaper: compare-and-set sweeps over the lease tables, in bounded batches.
+
+Safe to run concurrently and repeatedly: from beat (the ``celery_lease.reap`` task),
+embedded in every worker's main process (behind a database lock), and from
+``celery -A proj lease reap``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery, current_app, shared_task
+from kombu.exceptions import OperationalError as KombuOperationalError
+
+from ._runtime import runtime
+from .states import State
+from .store import Expiry, Publishable, Store
+
+logger = logging.getLogger("celery_lease.reaper")
+
+#: Batches per sweep and kind: one sweep stays bounded; the next continues.
+MAX_BATCHES = 20
+
+
+@dataclasses.dataclass
+class ReapReport:
+    """What one sweep did, by action."""
+
+    expired: int = 0
+    retried: int = 0
+    manual: int = 0
+    overrun: int = 0
+    due: int = 0
+    republished: int = 0
+    publish_failed: int = 0
+
+    def add_expiries(self, expiries: Sequence[Expiry]) -> None:
+        self.expired += len(expiries)
+        self.retried += sum(1 for e in expiries if e.to_state is State.RETRY_WAIT)
+        self.manual += sum(1 for e in expiries if e.to_state is State.WAIT_MANUAL)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @property
+    def total(self) -> int:
+        return self.expired + self.overrun + self.due + self.republished
+
+
+class Reaper:
+    """The sweeps of one app, run by one actor (for the audit trail)."""
+
+    def __init__(self, app: Celery, actor: str | None = None, store: Store | None = None) -> None:
+        self.app = app
+        self.actor = actor or f"reaper:{socket.gethostname()}"
+        self.store = store or runtime(app).store
+
+    def sweep(self) -> ReapReport:
+        """One full pass: expired leases, overruns, due retries, lost or unpublished rows."""
+        report = ReapReport()
+        batch = self.store.config.reaper_batch_size
+        for _ in range(MAX_BATCHES):
+            expiries = self.store.expire(
+                actor=self.actor, reason="lease expired: owner's heartbeat older than the TTL"
+            )
+            report.add_expiries(expiries)
+            if len(expiries) < batch:
+                break
+        for _ in range(MAX_BATCHES):
+            moved = self.store.overrun(actor=self.actor)
+            report.overrun += len(moved)
+            if len(moved) < batch:
+                break
+        self.publish_due(report)
+        for _ in range(MAX_BATCHES):
+            rows = self.store.take_unpublished()
+            ok, failed = self.publish(rows)
+            report.republished += ok
+            report.publish_failed += failed
+            if len(rows) < batch or failed:
+                break
+        if report.total:
+            logger.info("reaper %s: %s", self.actor, report.as_dict())
+        return report
+
+    def publish_due(self, report: ReapReport | None = None) -> int:
+        """Move due RETRY_WAIT rows to PENDING and publish them."""
+        report = report if report is not None else ReapReport()
+        batch = self.store.config.reaper_batch_size
+        for _ in range(MAX_BATCHES):
+            rows = self.store.take_due_retries(actor=self.actor)
+            ok, failed = self.publish(rows)
+            report.due += ok
+            report.publish_failed += failed
+            if len(rows) < batch or failed:
+                break
+        return report.due
+
+    def publish(self, rows: Sequence[Publishable]) -> tuple[int, int]:
+        """Publish PENDING rows' messages; rows left unpublished are retried after the grace."""
+        sent: list[str] = []
+        failed = 0
+        for row in rows:
+            if row.args is None:
+                logger.error(
+                    "task %s[%s]: arguments were not stored, cannot publish; "
+                    "it needs a person (`celery lease show %s`)",
+                    row.name,
+                    row.id,
+                    row.id,
+                )
+                failed += 1
+                continue
+            options: dict[str, Any] = json.loads(row.options) if row.options else {}
+            try:
+                self.app.send_task(
+                    row.name,
+                    args=json.loads(row.args),
+                    kwargs=json.loads(row.kwargs) if row.kwargs else {},
+                    task_id=row.id,
+                    retries=row.retries,
+                    countdown=row.countdown,
+                    **options,
+                )
+            except (KombuOperationalError, ConnectionError, OSError) as error:
+                logger.warning(
+                    "reaper: broker unavailable, %d rows left to publish later: %s",
+                    len(rows) - len(sent),
+                    error,
+                )
+                failed += len(rows) - len(sent)
+                break
+            sent.append(row.id)
+        if sent:
+            self.store.mark_published(sent)
+        return len(sent), failed
+
+
+def reap(app: Celery, actor: str | None = None) -> ReapReport:
+    """Run one full reaper sweep for ``app`` and return what it did."""
+    return Reaper(app, actor).sweep()
+
+
+@shared_task(name="celery_lease.reap", ignore_result=True)  # type: ignore[untyped-decorator]
+def reap_task() -> dict[str, int]:
+    """The beat entry: one sweep, run by whichever worker takes the message."""
+    return reap(current_app, actor=f"beat:{socket.gethostname()}").as_dict()

@@ -1,0 +1,21 @@
+"""Storage: the lease tables and the operations on them (SQLAlchemy Core)."""
+
+from ._base import dumps
+from ._store import Store
+from ._types import Claim, Expiry, FenceResult, Lease, NewTask, Publishable, Refusal
+from .schema import SCHEMA_VERSION, Tables, build
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Claim",
+    "Expiry",
+    "FenceResult",
+    "Lease",
+    "NewTask",
+    "Publishable",
+    "Refusal",
+    "Store",
+    "Tables",
+    "build",
+    "dumps",
+]

@@ -1,0 +1,158 @@
+"""Engine creation per dialect, fork safety and driver-error wrapping."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, create_engine, event, exc
+from sqlalchemy.engine import URL, make_url
+
+from ..config import LeaseConfig
+from ..exceptions import ConfigurationError, MissingDependencyError, StoreError, StoreUnavailable
+
+T = TypeVar("T")
+
+_TRANSIENT_PG_CODES = {
+    "40001",
+    "40P01",
+    "57P01",
+    "57P02",
+    "57P03",
+    "08000",
+    "08003",
+    "08006",
+    "08001",
+}
+
+
+def safe_url(url: URL | str) -> str:
+    """The URL with its password hidden, for messages and logs."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _normalize(url: URL) -> URL:
+    if url.drivername in ("postgresql", "postgres"):
+        url = url.set(drivername="postgresql+psycopg")
+    return url
+
+
+def create(config: LeaseConfig) -> Engine:
+    """An engine for ``config.database_url`` set up for short, contended transactions."""
+    try:
+        url = _normalize(make_url(config.database_url))
+    except exc.ArgumentError as error:
+        raise ConfigurationError(f"lease_database_url is not a valid URL: {error}") from error
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        engine = _sqlite(url, config)
+    elif backend == "postgresql":
+        if url.get_driver_name() == "psycopg":
+            try:
+                import psycopg  # noqa: F401
+            except ImportError as error:
+                raise MissingDependencyError("psycopg", "postgres") from error
+        try:
+            engine = create_engine(
+                url,
+                pool_size=config.pool_size,
+                max_overflow=config.pool_size,
+                pool_pre_ping=True,
+                pool_recycle=1800,
+                connect_args={"connect_timeout": 5},
+            )
+        except ImportError as error:
+            raise MissingDependencyError(url.get_driver_name(), "postgres") from error
+    else:
+        raise ConfigurationError(
+            f"lease_database_url {safe_url(url)}: only sqlite and postgresql are supported"
+        )
+    _dispose_after_fork(engine)
+    return engine
+
+
+def _sqlite(url: URL, config: LeaseConfig) -> Engine:
+    database = url.database
+    if not database or database == ":memory:":
+        raise ConfigurationError(
+            "lease_database_url must name a SQLite file: worker processes cannot share :memory:"
+        )
+    Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url,
+        connect_args={"timeout": config.sqlite_busy_timeout, "check_same_thread": False},
+        pool_size=config.pool_size,
+        max_overflow=config.pool_size,
+    )
+    busy_ms = int(config.sqlite_busy_timeout * 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, record: Any) -> None:
+        # let SQLAlchemy, not pysqlite, decide when transactions begin
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute(f"PRAGMA busy_timeout={busy_ms}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        # take the write lock up front: a deferred transaction that later writes
+        # can fail with SQLITE_BUSY without waiting for busy_timeout
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _dispose_after_fork(engine: Engine) -> None:
+    ref = weakref.ref(engine)
+
+    def _after_fork() -> None:
+        inherited = ref()
+        if inherited is not None:
+            # the parent's connections must not be used (or closed) by the child
+            inherited.dispose(close=False)
+
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def is_transient(error: exc.DBAPIError) -> bool:
+    """Whether retrying the transaction may succeed (connection lost, lock busy, serialization)."""
+    if error.connection_invalidated:
+        return True
+    code = getattr(error.orig, "sqlstate", None) or getattr(error.orig, "pgcode", None)
+    if code in _TRANSIENT_PG_CODES:
+        return True
+    if isinstance(error, (exc.OperationalError, exc.InterfaceError)):
+        return True
+    return False
+
+
+def wrap(error: exc.SQLAlchemyError, url: str) -> StoreError:
+    """The library's exception for a driver error (the cause is kept by ``raise ... from``)."""
+    detail = str(getattr(error, "orig", None) or error).strip().splitlines()
+    first = detail[0] if detail else type(error).__name__
+    if isinstance(error, exc.DBAPIError) and is_transient(error):
+        return StoreUnavailable(f"lease store {url} unavailable: {first}")
+    return StoreError(f"lease store {url}: {first}")
+
+
+def retrying(fn: Callable[[bool], T], *, retries: int, url: str) -> T:
+    """Run ``fn(is_retry)``, retrying transient driver errors with jittered exponential backoff."""
+    for attempt in range(retries + 1):
+        try:
+            return fn(attempt > 0)
+        except exc.DBAPIError as error:
+            if attempt < retries and is_transient(error):
+                time.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
+                continue
+            raise wrap(error, url) from error
+        except exc.SQLAlchemyError as error:
+            raise wrap(error, url) from error
+    raise AssertionError("unreachable")

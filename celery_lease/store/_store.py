@@ -1,0 +1,597 @@
+"""The store: domain operations on the lease tables.
+
+Every state change goes through :meth:`Store._move`: one conditional UPDATE
+(compare-and-set on the current state, plus the caller's fence) and the audit
+rows, in one transaction. Zero rows updated is a result the caller handles.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Row,
+    and_,
+    delete,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
+
+from .. import policy, states
+from ..exceptions import SchemaOutOfDate
+from ..states import State
+from . import migrations
+from ._base import StoreBase
+from ._operator import OperatorMixin
+from ._sql import after, db_now, greatest, seconds_between
+from ._steps import StepsMixin
+from ._types import Claim, Expiry, Lease, NewTask, Publishable, Refusal
+from ._workers import WorkersMixin
+from .schema import SCHEMA_VERSION
+
+#: Note for rows whose arguments could not be stored: they cannot be re-published.
+_NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
+
+
+class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
+    """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
+
+    # -- schema -----------------------------------------------------------------------
+
+    def schema_version(self) -> int | None:
+        """The applied schema version (``None``: no lease tables)."""
+        return self._read(lambda conn: migrations.current_version(conn, self.t))
+
+    def migrate(self) -> tuple[int | None, int]:
+        """Create or upgrade the lease tables; returns (version before, version after)."""
+        result = self._tx(lambda conn, _: migrations.migrate(conn, self.t))
+        self._schema_checked = True
+        return result
+
+    def ensure_schema(self, *, auto_migrate: bool | None = None) -> None:
+        """Check the schema once per process; create it on SQLite or when auto-migrate is on."""
+        if self._schema_checked:
+            return
+        current = self.schema_version()
+        if current != SCHEMA_VERSION:
+            auto = self.config.auto_migrate if auto_migrate is None else auto_migrate
+            if not (auto or self.dialect == "sqlite") or (current or 0) > SCHEMA_VERSION:
+                raise SchemaOutOfDate(current, SCHEMA_VERSION, self.url)
+            self.migrate()
+        self._schema_checked = True
+
+    def dispose(self) -> None:
+        """Close every pooled connection."""
+        self.engine.dispose()
+
+    # -- producer ---------------------------------------------------------------------
+
+    def submit(self, new: NewTask, conn: Connection | None = None) -> tuple[str, bool]:
+        """Insert a PENDING row; returns (task id, created). A duplicate dedup key or id
+        returns the existing row's id with ``created=False``.
+
+        With ``conn`` the row joins the caller's transaction (transactional enqueue).
+        """
+        t = self.t.tasks
+        values = {
+            "id": new.id,
+            "name": new.name,
+            "state": State.PENDING.value,
+            "dedup_key": new.dedup_key,
+            "args": new.args,
+            "kwargs": new.kwargs,
+            "options": new.options,
+            "lease_ttl": new.lease_ttl,
+            "max_runtime": new.max_runtime,
+            "max_retries": new.max_retries,
+            "on_timeout": new.on_timeout,
+            "on_exhausted": new.on_exhausted,
+            "max_recoveries": new.max_recoveries,
+            "created_at": db_now(),
+            "updated_at": db_now(),
+            "reason": "submitted",
+        }
+        if new.countdown is not None:
+            values["eta"] = after(db_now(), new.countdown)
+        elif new.eta is not None:
+            values["eta"] = new.eta
+
+        def op(conn: Connection, is_retry: bool) -> tuple[str, bool]:
+            stmt = self._insert(t).values(**values).on_conflict_do_nothing().returning(t.c.id)
+            created = conn.execute(stmt).scalar()
+            if created is not None:
+                self._audit(conn, new.id, None, State.PENDING, "submitted", "producer", 0)
+                return new.id, True
+            cond = t.c.id == new.id
+            if new.dedup_key is not None:
+                cond = or_(cond, t.c.dedup_key == new.dedup_key)
+            existing = conn.execute(select(t.c.id).where(cond).limit(1)).scalar()
+            if existing is None:  # the conflicting row was purged meanwhile: insert again
+                return op(conn, is_retry)
+            return str(existing), False
+
+        if conn is not None:
+            return op(conn, False)
+        return self._tx(op)
+
+    def mark_published(self, ids: Sequence[str]) -> None:
+        """Record that these PENDING rows' messages were handed to the broker."""
+        if not ids:
+            return
+        t = self.t.tasks
+
+        def op(conn: Connection, _: bool) -> None:
+            if self.is_pg:
+                # losing this write on a crash only causes one harmless re-publish
+                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+            conn.execute(
+                update(t)
+                .where(
+                    t.c.id.in_(ids), t.c.state == State.PENDING.value, t.c.published_at.is_(None)
+                )
+                .values(published_at=db_now(), publish_count=t.c.publish_count + 1)
+            )
+
+        self._tx(op)
+
+    def discard_unpublished(self, task_id: str) -> None:
+        """Delete a row whose message could not be built (nothing was published)."""
+        t, tr = self.t.tasks, self.t.transitions
+
+        def op(conn: Connection, _: bool) -> None:
+            gone = conn.execute(
+                delete(t).where(
+                    t.c.id == task_id,
+                    t.c.state == State.PENDING.value,
+                    t.c.attempt == 0,
+                    t.c.published_at.is_(None),
+                )
+            ).rowcount
+            if gone:
+                conn.execute(delete(tr).where(tr.c.task_id == task_id))
+
+        self._tx(op)
+
+    # -- worker: claim and outcome ----------------------------------------------------
+
+    def claim(
+        self, task_id: str, owner: str, actor: str, adopt: NewTask | None = None
+    ) -> Claim | Refusal:
+        """Compare-and-set PENDING -> RUNNING (attempt += 1). A delivery without a row is
+        adopted when ``adopt`` describes it; anything else is refused."""
+        t = self.t.tasks
+        token = uuid.uuid4().hex
+        claim_values = {
+            "attempt": t.c.attempt + 1,
+            "token": token,
+            "owner": owner,
+            "started_at": db_now(),
+            "progress_at": db_now(),
+            "finished_at": None,
+            "next_retry_at": None,
+        }
+        returning = (t.c.retries, t.c.recoveries, t.c.cancel_requested_at)
+
+        def op(conn: Connection, is_retry: bool) -> Claim | Refusal:
+            rows = self._move(
+                conn,
+                [t.c.id == task_id],
+                State.PENDING,
+                State.RUNNING,
+                reason=f"claimed by {actor}",
+                actor=actor,
+                values=claim_values,
+                returning=returning,
+            )
+            adopted = False
+            if not rows:
+                row = conn.execute(select(t.c.state, t.c.token).where(t.c.id == task_id)).first()
+                if row is None and adopt is not None:
+                    self._adopt(conn, adopt)
+                    adopted = True
+                    rows = self._move(
+                        conn,
+                        [t.c.id == task_id],
+                        State.PENDING,
+                        State.RUNNING,
+                        reason=f"claimed by {actor}",
+                        actor=actor,
+                        values=claim_values,
+                        returning=returning,
+                    )
+                elif row is not None and is_retry and row.token == token:
+                    # the first try committed but its answer was lost
+                    rows = list(
+                        conn.execute(
+                            select(t.c.id, t.c.attempt, *returning).where(t.c.id == task_id)
+                        ).all()
+                    )
+                else:
+                    state = State(row.state) if row is not None else None
+                    why = "no row for this message" if row is None else f"task is {state}"
+                    return Refusal(task_id, state, why)
+            r = rows[0]
+            return Claim(
+                lease=Lease(task_id, int(r.attempt), token),
+                retries=int(r.retries),
+                recoveries=int(r.recoveries),
+                resumed=adopted or int(r.attempt) > 1,
+                cancel_requested=r.cancel_requested_at is not None,
+            )
+
+        return self._tx(op)
+
+    def _adopt(self, conn: Connection, new: NewTask) -> None:
+        t = self.t.tasks
+        stmt = (
+            self._insert(t)
+            .values(
+                id=new.id,
+                name=new.name,
+                state=State.PENDING.value,
+                args=new.args,
+                kwargs=new.kwargs,
+                options=new.options,
+                lease_ttl=new.lease_ttl,
+                max_runtime=new.max_runtime,
+                max_retries=new.max_retries,
+                on_timeout=new.on_timeout if new.args is not None else "manual",
+                on_exhausted=new.on_exhausted,
+                max_recoveries=new.max_recoveries,
+                created_at=db_now(),
+                updated_at=db_now(),
+                published_at=db_now(),
+                reason="adopted",
+            )
+            .on_conflict_do_nothing()
+            .returning(t.c.id)
+        )
+        if conn.execute(stmt).scalar() is not None:
+            reason = "adopted: message without a row"
+            if new.args is None:
+                reason += f" ({_NO_ARGS_NOTE})"
+            self._audit(conn, new.id, None, State.PENDING, reason, "worker", 0)
+
+    def finish(
+        self,
+        lease: Lease,
+        to: State,
+        *,
+        actor: str,
+        reason: str,
+        result: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """The execution's own outcome (SUCCEEDED, FAILED, CANCELLED, WAIT_MANUAL),
+        fenced by attempt and token. ``False``: the lease was lost; nothing was written."""
+        t = self.t.tasks
+        values: dict[str, Any] = {"finished_at": db_now(), "result": result, "error": error}
+        sources = [State.RUNNING]
+        if states.is_legal(State.WAIT_MANUAL, to) and to is not State.CANCELLED:
+            # over max_runtime the row went to WAIT_MANUAL but its owner kept running
+            sources.append(State.WAIT_MANUAL)
+
+        def op(conn: Connection, is_retry: bool) -> bool:
+            for frm in sources:
+                if self._move(
+                    conn, self._fenced(lease), frm, to, reason=reason, actor=actor, values=values
+                ):
+                    return True
+            if is_retry:
+                row = conn.execute(
+                    select(t.c.state, t.c.token).where(t.c.id == lease.task_id)
+                ).first()
+                return row is not None and row.token == lease.token and row.state == to.value
+            return False
+
+        return self._tx(op)
+
+    def schedule_retry(
+        self, lease: Lease, delay: float, *, actor: str, reason: str, error: str | None
+    ) -> bool:
+        """RUNNING -> RETRY_WAIT with ``next_retry_at = now + delay`` (database time), fenced."""
+        t = self.t.tasks
+
+        def op(conn: Connection, is_retry: bool) -> bool:
+            rows = self._move(
+                conn,
+                self._fenced(lease),
+                State.RUNNING,
+                State.RETRY_WAIT,
+                reason=reason,
+                actor=actor,
+                values={
+                    "next_retry_at": after(db_now(), delay),
+                    "retries": t.c.retries + 1,
+                    "error": error,
+                },
+            )
+            if rows:
+                return True
+            if is_retry:
+                row = conn.execute(
+                    select(t.c.state, t.c.token).where(t.c.id == lease.task_id)
+                ).first()
+                return row is not None and row.token == lease.token and row.state == "RETRY_WAIT"
+            return False
+
+        return self._tx(op)
+
+    # -- lease expiry -----------------------------------------------------------------
+
+    def _expired_condition(self) -> ColumnElement[bool]:
+        t, w = self.t.tasks, self.t.workers
+        return or_(
+            w.c.id.is_(None),
+            w.c.stopped_at.is_not(None),
+            after(w.c.heartbeat_at, t.c.lease_ttl) < db_now(),
+        )
+
+    def expire(
+        self,
+        *,
+        actor: str,
+        reason: str,
+        task_ids: Sequence[str] | None = None,
+        owners: Sequence[str] | None = None,
+        only_expired: bool = True,
+        limit: int | None = None,
+    ) -> list[Expiry]:
+        """RUNNING -> TIMEOUT -> RETRY_WAIT (due now) or WAIT_MANUAL, per the policy.
+
+        Selects RUNNING rows (optionally only those of ``task_ids``/``owners``; with
+        ``only_expired``, only those whose owner's heartbeat is older than their TTL),
+        at most ``limit`` (a batch), skipping rows another reaper holds.
+        """
+        t, w = self.t.tasks, self.t.workers
+        batch = limit or self.config.reaper_batch_size
+
+        def op(conn: Connection, _: bool) -> list[Expiry]:
+            q = (
+                select(t.c.id, t.c.token)
+                .select_from(t.outerjoin(w, w.c.id == t.c.owner))
+                .where(t.c.state == State.RUNNING.value)
+                .limit(batch)
+            )
+            if task_ids is not None:
+                q = q.where(t.c.id.in_(task_ids))
+            if owners is not None:
+                q = q.where(t.c.owner.in_(owners))
+            if only_expired:
+                q = q.where(self._expired_condition())
+            if self.is_pg:
+                q = q.with_for_update(of=t, skip_locked=True)
+            out = []
+            for cand in conn.execute(q).all():
+                done = self._expire_one(conn, cand.id, cand.token, actor=actor, reason=reason)
+                if done is not None:
+                    out.append(done)
+            return out
+
+        return self._tx(op)
+
+    def _expire_one(
+        self, conn: Connection, task_id: str, token: str | None, *, actor: str, reason: str
+    ) -> Expiry | None:
+        t, s = self.t.tasks, self.t.steps
+        rows = self._move(
+            conn,
+            [t.c.id == task_id, t.c.token == token if token is not None else t.c.token.is_(None)],
+            State.RUNNING,
+            State.TIMEOUT,
+            reason=reason,
+            actor=actor,
+            values={"token": None, "recoveries": t.c.recoveries + 1},
+            returning=(
+                t.c.recoveries,
+                t.c.max_recoveries,
+                t.c.on_timeout,
+                t.c.cancel_requested_at,
+                seconds_between(db_now(), t.c.created_at).label("age"),
+            ),
+        )
+        if not rows:
+            return None
+        row = rows[0]
+        inflight = conn.execute(
+            select(s.c.name)
+            .where(
+                s.c.task_id == task_id,
+                s.c.state == "STARTED",
+                s.c.idempotent.is_(False),
+                s.c.checkable.is_(False),
+            )
+            .limit(1)
+        ).scalar()
+        to, why = policy.after_timeout(
+            on_timeout=row.on_timeout,
+            recoveries=int(row.recoveries),
+            max_recoveries=int(row.max_recoveries),
+            age=float(row.age),
+            max_age=self.config.max_age,
+            inflight_step=inflight,
+            cancel_requested=row.cancel_requested_at is not None,
+        )
+        values: dict[str, Any] = {}
+        if to is State.RETRY_WAIT:
+            values["next_retry_at"] = db_now()
+        elif to is State.CANCELLED:
+            values["finished_at"] = db_now()
+        self._move(
+            conn,
+            [t.c.id == task_id],
+            State.TIMEOUT,
+            to,
+            reason=f"{why} (after: {reason})",
+            actor=actor,
+            values=values,
+        )
+        return Expiry(task_id, to, why)
+
+    def overrun(self, *, actor: str, limit: int | None = None) -> list[str]:
+        """RUNNING rows with a live lease but no progress for ``max_runtime`` -> WAIT_MANUAL.
+
+        The owner keeps its token: if it finishes, its outcome is accepted."""
+        t, w = self.t.tasks, self.t.workers
+        batch = limit or self.config.reaper_batch_size
+
+        def op(conn: Connection, _: bool) -> list[str]:
+            q = (
+                select(t.c.id, t.c.max_runtime)
+                .select_from(t.join(w, w.c.id == t.c.owner))
+                .where(
+                    t.c.state == State.RUNNING.value,
+                    t.c.max_runtime.is_not(None),
+                    after(t.c.progress_at, t.c.max_runtime) < db_now(),
+                    ~self._expired_condition(),
+                )
+                .limit(batch)
+            )
+            if self.is_pg:
+                q = q.with_for_update(of=t, skip_locked=True)
+            moved = []
+            for cand in conn.execute(q).all():
+                why = (
+                    f"alive but no progress for more than max_runtime ({cand.max_runtime:g} s): "
+                    "left running; a person decides"
+                )
+                if self._move(
+                    conn,
+                    [t.c.id == cand.id],
+                    State.RUNNING,
+                    State.WAIT_MANUAL,
+                    reason=why,
+                    actor=actor,
+                ):
+                    moved.append(str(cand.id))
+            return moved
+
+        return self._tx(op)
+
+    # -- publishing (the row is the outbox) -------------------------------------------
+
+    def _publishable_columns(self) -> tuple[Any, ...]:
+        t = self.t.tasks
+        return (
+            t.c.name,
+            t.c.args,
+            t.c.kwargs,
+            t.c.options,
+            t.c.retries,
+            seconds_between(t.c.eta, db_now()).label("countdown"),
+        )
+
+    @staticmethod
+    def _publishable(rows: Iterable[Row[Any]]) -> list[Publishable]:
+        out = []
+        for r in rows:
+            countdown = float(r.countdown) if r.countdown is not None and r.countdown > 0 else None
+            out.append(
+                Publishable(
+                    str(r.id), r.name, r.args, r.kwargs, r.options, int(r.retries), countdown
+                )
+            )
+        return out
+
+    def take_due_retries(self, *, actor: str, limit: int | None = None) -> list[Publishable]:
+        """RETRY_WAIT rows whose ``next_retry_at`` has come -> PENDING, to publish."""
+        t = self.t.tasks
+        batch = limit or self.config.reaper_batch_size
+
+        def op(conn: Connection, _: bool) -> list[Publishable]:
+            q = (
+                select(t.c.id)
+                .where(t.c.state == State.RETRY_WAIT.value, t.c.next_retry_at <= db_now())
+                .order_by(t.c.next_retry_at)
+                .limit(batch)
+            )
+            if self.is_pg:
+                q = q.with_for_update(skip_locked=True)
+            ids = [r.id for r in conn.execute(q).all()]
+            if not ids:
+                return []
+            rows = self._move(
+                conn,
+                [t.c.id.in_(ids)],
+                State.RETRY_WAIT,
+                State.PENDING,
+                reason="retry due: re-published",
+                actor=actor,
+                values={"published_at": None, "eta": None},
+                returning=self._publishable_columns(),
+            )
+            return self._publishable(rows)
+
+        return self._tx(op)
+
+    def take_pending(self, task_ids: Sequence[str]) -> list[Publishable]:
+        """These rows, if still PENDING, reserved for publishing again at once (their
+        message was lost with a pool child before it could claim)."""
+        t = self.t.tasks
+
+        def op(conn: Connection, _: bool) -> list[Publishable]:
+            rows = conn.execute(
+                update(t)
+                .where(t.c.id.in_(task_ids), t.c.state == State.PENDING.value)
+                .values(published_at=None, updated_at=db_now())
+                .returning(t.c.id, *self._publishable_columns())
+            ).all()
+            return self._publishable(rows)
+
+        return self._tx(op)
+
+    def take_unpublished(self, *, limit: int | None = None) -> list[Publishable]:
+        """PENDING rows never marked published after the grace, or published but not
+        claimed for ``republish_after`` (message lost): reserved for re-publishing."""
+        t = self.t.tasks
+        cfg = self.config
+        batch = limit or cfg.reaper_batch_size
+        now = db_now()
+        never = and_(t.c.published_at.is_(None), after(t.c.updated_at, cfg.publish_grace) < now)
+        lost = (
+            after(
+                greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
+                cfg.republish_after,
+            )
+            < now
+        )
+
+        def op(conn: Connection, _: bool) -> list[Publishable]:
+            q = (
+                select(t.c.id)
+                .where(t.c.state == State.PENDING.value, or_(never, lost))
+                .limit(batch)
+            )
+            if self.is_pg:
+                q = q.with_for_update(skip_locked=True)
+            ids = [r.id for r in conn.execute(q).all()]
+            if not ids:
+                return []
+            # reserve: a concurrent reaper sees a fresh updated_at and leaves these alone;
+            # if this one dies before publishing, the grace sweep picks them up again
+            rows = conn.execute(
+                update(t)
+                .where(t.c.id.in_(ids), t.c.state == State.PENDING.value)
+                .values(published_at=None, updated_at=db_now())
+                .returning(t.c.id, *self._publishable_columns())
+            ).all()
+            return self._publishable(rows)
+
+        return self._tx(op)
+
+    # -- misc -------------------------------------------------------------------------
+
+    def now(self) -> Any:
+        """The database's current time."""
+        return self._read(lambda conn: conn.execute(select(db_now())).scalar_one())
+
+    def ping(self) -> None:
+        """Raise :class:`StoreUnavailable` unless the database answers."""
+        self._read(lambda conn: conn.execute(select(literal(1))).scalar_one())

@@ -1,0 +1,89 @@
+"""Plain values exchanged between the store and its callers."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+
+from ..states import State
+
+
+@dataclasses.dataclass(frozen=True)
+class NewTask:
+    """A row to insert when a task is submitted (JSON columns already encoded)."""
+
+    id: str
+    name: str
+    args: str | None
+    kwargs: str | None
+    options: str | None
+    lease_ttl: float
+    max_recoveries: int
+    dedup_key: str | None = None
+    countdown: float | None = None
+    eta: datetime | None = None
+    max_runtime: float | None = None
+    max_retries: int | None = None
+    on_timeout: str = "retry"
+    on_exhausted: str = "fail"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """One execution's hold on a task: every later write of it is fenced by these."""
+
+    task_id: str
+    attempt: int
+    token: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A successful claim: the caller now runs attempt ``lease.attempt``."""
+
+    lease: Lease
+    retries: int
+    recoveries: int
+    #: Steps may exist from an earlier attempt (or the row was adopted).
+    resumed: bool
+    cancel_requested: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A failed claim: a duplicate or stale delivery to drop without running."""
+
+    task_id: str
+    state: State | None
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Publishable:
+    """A PENDING row to (re-)publish."""
+
+    id: str
+    name: str
+    args: str | None
+    kwargs: str | None
+    options: str | None
+    retries: int
+    #: Seconds from now (database time) until the row's ETA, if in the future.
+    countdown: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Expiry:
+    """What happened to one expired lease."""
+
+    task_id: str
+    to_state: State
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FenceResult:
+    """The answer of a fenced progress write."""
+
+    cancel_requested: bool
+    cancel_reason: str | None

@@ -1,0 +1,71 @@
+"""Numbered schema migrations.
+
+The ``schema_version`` table records every applied step. ``celery lease migrate``
+(and the Django app's migrations) call :func:`migrate`. Step 1 is the baseline:
+it creates the tables of :mod:`.schema` as they were at version 1; a later change
+to the tables adds a step here and bumps ``SCHEMA_VERSION``, and the baseline is
+then frozen as it stands. A test checks that migrating an empty database gives
+exactly the tables that :mod:`.schema` defines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from sqlalchemy import Connection, insert, inspect, select
+from sqlalchemy.schema import CreateSchema
+
+from ._sql import db_now
+from .schema import SCHEMA_VERSION, Tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    apply: Callable[[Connection, Tables], None]
+
+
+def _baseline(conn: Connection, tables: Tables) -> None:
+    for table in (tables.tasks, tables.transitions, tables.steps, tables.workers, tables.locks):
+        table.create(conn, checkfirst=True)
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
+)
+
+assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"
+
+
+def current_version(conn: Connection, tables: Tables) -> int | None:
+    """The highest applied version, or ``None`` when the lease tables do not exist."""
+    if not inspect(conn).has_table(tables.version.name, schema=tables.version.schema):
+        return None
+    value = conn.execute(
+        select(tables.version.c.version).order_by(tables.version.c.version.desc()).limit(1)
+    ).scalar()
+    return int(value) if value is not None else None
+
+
+def migrate(conn: Connection, tables: Tables) -> tuple[int | None, int]:
+    """Apply every missing step inside the caller's transaction; return (before, after)."""
+    schema = tables.version.schema
+    if schema is not None and conn.dialect.name == "postgresql":
+        conn.execute(CreateSchema(schema, if_not_exists=True))
+    if conn.dialect.name == "postgresql":
+        # serialize concurrent migrators (two workers starting with auto-migrate)
+        conn.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('celery_lease.migrate'))")
+    tables.version.create(conn, checkfirst=True)
+    before = current_version(conn, tables)
+    for step in MIGRATIONS:
+        if before is not None and step.version <= before:
+            continue
+        step.apply(conn, tables)
+        conn.execute(
+            insert(tables.version).values(
+                version=step.version, description=step.description, applied_at=db_now()
+            )
+        )
+    return before, SCHEMA_VERSION

@@ -1,0 +1,171 @@
+"""The lease tables, defined once (SQLAlchemy Core).
+
+``build(prefix, schema)`` returns the tables for one table prefix and schema;
+the migration steps create exactly these, and a test checks that they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    false,
+    text,
+)
+
+from ._sql import DbTime
+
+#: The schema version these definitions describe; migrations bring a database here.
+SCHEMA_VERSION = 1
+
+_ID = String(255)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The lease tables of one prefix/schema."""
+
+    metadata: MetaData
+    tasks: Table
+    transitions: Table
+    steps: Table
+    workers: Table
+    locks: Table
+    version: Table
+
+
+def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
+    """Define the tables with ``prefix`` in ``schema`` (``None``: default schema)."""
+    md = MetaData(schema=schema)
+    running = text("state = 'RUNNING'")
+    tasks = Table(
+        f"{prefix}tasks",
+        md,
+        Column("id", _ID, primary_key=True),
+        Column("name", String(255), nullable=False),
+        Column("state", String(16), nullable=False),
+        # attempt counts claims; token names one execution and fences its writes
+        Column("attempt", Integer, nullable=False, server_default="0"),
+        Column("token", String(32)),
+        Column("owner", String(64)),
+        Column("recoveries", Integer, nullable=False, server_default="0"),
+        Column("retries", Integer, nullable=False, server_default="0"),
+        Column("dedup_key", String(255)),
+        Column("args", Text),
+        Column("kwargs", Text),
+        Column("options", Text),
+        Column("eta", DbTime()),
+        Column("lease_ttl", Float, nullable=False),
+        Column("max_runtime", Float),
+        Column("max_retries", Integer),
+        Column("on_timeout", String(8), nullable=False, server_default="retry"),
+        Column("on_exhausted", String(8), nullable=False, server_default="fail"),
+        Column("max_recoveries", Integer, nullable=False),
+        Column("created_at", DbTime(), nullable=False),
+        Column("updated_at", DbTime(), nullable=False),
+        Column("published_at", DbTime()),
+        Column("publish_count", Integer, nullable=False, server_default="0"),
+        Column("started_at", DbTime()),
+        Column("progress_at", DbTime()),
+        Column("finished_at", DbTime()),
+        Column("next_retry_at", DbTime()),
+        Column("result", Text),
+        Column("error", Text),
+        Column("reason", Text),
+        Column("progress", Text),
+        Column("cancel_requested_at", DbTime()),
+        Column("cancel_actor", String(255)),
+        Column("cancel_reason", Text),
+        Index(f"{prefix}tasks_dedup_key", "dedup_key", unique=True),
+        Index(f"{prefix}tasks_state_created", "state", "created_at"),
+        Index(f"{prefix}tasks_name_state", "name", "state"),
+        # partial indexes: the reaper only ever scans these small subsets
+        Index(
+            f"{prefix}tasks_running_owner",
+            "owner",
+            postgresql_where=running,
+            sqlite_where=running,
+        ),
+        Index(
+            f"{prefix}tasks_retry_due",
+            "next_retry_at",
+            postgresql_where=text("state = 'RETRY_WAIT'"),
+            sqlite_where=text("state = 'RETRY_WAIT'"),
+        ),
+        Index(
+            f"{prefix}tasks_pending_published",
+            "published_at",
+            postgresql_where=text("state = 'PENDING'"),
+            sqlite_where=text("state = 'PENDING'"),
+        ),
+    )
+    transitions = Table(
+        f"{prefix}transitions",
+        md,
+        Column(
+            "id",
+            BigInteger().with_variant(Integer, "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        Column("task_id", _ID, nullable=False),
+        Column("from_state", String(16)),
+        Column("to_state", String(16), nullable=False),
+        Column("reason", Text),
+        Column("actor", String(255), nullable=False),
+        Column("attempt", Integer, nullable=False),
+        Column("at", DbTime(), nullable=False),
+        Index(f"{prefix}transitions_task", "task_id", "id"),
+    )
+    steps = Table(
+        f"{prefix}steps",
+        md,
+        Column("task_id", _ID, primary_key=True),
+        Column("name", String(255), primary_key=True),
+        Column("state", String(16), nullable=False),
+        Column("idempotent", Boolean, nullable=False),
+        # a check= callable can tell whether a started call happened: safe to retry
+        Column("checkable", Boolean, nullable=False, server_default=false()),
+        Column("attempt", Integer, nullable=False),
+        Column("result", Text),
+        Column("started_at", DbTime(), nullable=False),
+        Column("finished_at", DbTime()),
+    )
+    workers = Table(
+        f"{prefix}workers",
+        md,
+        Column("id", String(64), primary_key=True),
+        Column("nodename", String(255), nullable=False),
+        Column("hostname", String(255), nullable=False),
+        Column("pid", Integer, nullable=False),
+        Column("started_at", DbTime(), nullable=False),
+        Column("heartbeat_at", DbTime(), nullable=False),
+        Column("stopped_at", DbTime()),
+        Column("stop_reason", Text),
+        Index(f"{prefix}workers_nodename", "nodename"),
+    )
+    locks = Table(
+        f"{prefix}locks",
+        md,
+        Column("name", String(64), primary_key=True),
+        Column("holder", String(64)),
+        Column("expires_at", DbTime()),
+    )
+    version = Table(
+        f"{prefix}schema_version",
+        md,
+        Column("version", Integer, primary_key=True),
+        Column("applied_at", DbTime(), nullable=False),
+        Column("description", Text, nullable=False),
+    )
+    return Tables(md, tasks, transitions, steps, workers, locks, version)

@@ -1,0 +1,483 @@
+"""``LeasedTask``: the Celery task base class that gives every task a durable, fenced row."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
+from celery.result import AsyncResult
+from celery.utils import uuid
+from kombu.exceptions import OperationalError as KombuOperationalError
+
+from . import policy
+from ._execution import Execution, encode
+from ._runtime import runtime
+from .config import LeaseConfig
+from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
+from .states import State
+from .store import NewTask, Refusal, dumps
+
+logger = logging.getLogger("celery_lease")
+
+#: apply_async options kept in the row so that a re-published message is routed the same way.
+_ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
+_ON_TIMEOUT = ("retry", "manual")
+_ON_EXHAUSTED = ("fail", "manual")
+
+
+class LeasedTask(Task):  # type: ignore[misc]
+    """Base class for crash-safe tasks: ``@app.task(base=LeasedTask)``.
+
+    Options (decorator keyword arguments or class attributes):
+
+    * ``lease_ttl``: seconds the owner's heartbeat may be silent before the lease expires
+      (default ``lease_ttl`` setting, 30 s).
+    * ``max_runtime``: seconds without progress after which a live task goes to WAIT_MANUAL.
+    * ``max_retries``: Celery's option; retries beyond it end in FAILED (or WAIT_MANUAL).
+    * ``on_timeout``: ``"retry"`` (default) re-runs a task whose lease expired when it is
+      safe; ``"manual"`` hands it to a person.
+    * ``on_exhausted``: ``"fail"`` (default) or ``"manual"`` when retries run out.
+    * ``max_recoveries``: lease expiries tolerated before WAIT_MANUAL (poison cap).
+    """
+
+    abstract = True
+    Request = "celery_lease.worker:LeasedRequest"
+
+    lease_ttl: ClassVar[float | None] = None
+    max_runtime: ClassVar[float | None] = None
+    on_timeout: ClassVar[str] = "retry"
+    on_exhausted: ClassVar[str] = "fail"
+    max_recoveries: ClassVar[int | None] = None
+
+    # -- binding ----------------------------------------------------------------------
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Hook celery-lease into the app the first time a leased task binds to it."""
+        from .worker import install
+
+        install(app)
+
+    def lease_options(self, config: LeaseConfig) -> dict[str, Any]:
+        """This task's lease options with the app's defaults applied, validated."""
+        ttl = float(self.lease_ttl) if self.lease_ttl is not None else config.ttl
+        max_runtime = self.max_runtime if self.max_runtime is not None else config.max_runtime
+        recoveries = (
+            int(self.max_recoveries) if self.max_recoveries is not None else config.max_recoveries
+        )
+        if not ttl > config.heartbeat_interval:
+            raise ConfigurationError(
+                f"task {self.name}: lease_ttl ({ttl}) must be longer than "
+                f"lease_heartbeat_interval ({config.heartbeat_interval})"
+            )
+        if max_runtime is not None and not float(max_runtime) > 0:
+            raise ConfigurationError(f"task {self.name}: max_runtime must be positive")
+        if self.on_timeout not in _ON_TIMEOUT:
+            raise ConfigurationError(
+                f"task {self.name}: on_timeout must be one of {_ON_TIMEOUT}, got {self.on_timeout!r}"
+            )
+        if self.on_exhausted not in _ON_EXHAUSTED:
+            raise ConfigurationError(
+                f"task {self.name}: on_exhausted must be one of {_ON_EXHAUSTED}, "
+                f"got {self.on_exhausted!r}"
+            )
+        if recoveries < 0:
+            raise ConfigurationError(f"task {self.name}: max_recoveries must be >= 0")
+        return {
+            "lease_ttl": ttl,
+            "max_runtime": float(max_runtime) if max_runtime is not None else None,
+            "max_retries": self.max_retries,
+            "on_timeout": self.on_timeout,
+            "on_exhausted": self.on_exhausted,
+            "max_recoveries": recoveries,
+        }
+
+    # -- producer ---------------------------------------------------------------------
+
+    def apply_async(  # type: ignore[override]
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        *,
+        dedup_key: str | None = None,
+        connection: Any = None,
+        **options: Any,
+    ) -> AsyncResult:
+        """Write the task's row (PENDING), then publish its message.
+
+        ``dedup_key``: a second submission with the same key returns the first task's
+        result handle and publishes nothing. ``connection``: a SQLAlchemy ``Connection``
+        or ``Session`` on the store's database; the row joins its transaction and the
+        message is published only after it commits.
+
+        Raises:
+            NotSerializable: the arguments cannot be stored as JSON (nothing is published).
+        """
+        app = self._get_app()
+        if app.conf.task_always_eager:
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
+            raise TypeError("dedup_key must be a non-empty string")
+        rt = runtime(app)
+        new = self._new_row(rt.config, task_id or uuid(), args, kwargs, dedup_key, options)
+        if connection is not None:
+            from ._outbox import submit_in_transaction
+
+            return submit_in_transaction(
+                self, rt, new, connection, args, kwargs, producer, link, link_error, shadow, options
+            )
+        tid, created = rt.store.submit(new)
+        if not created:
+            logger.info("task %s[%s]: already submitted (dedup), nothing published", self.name, tid)
+            return self.AsyncResult(tid)
+        return self._publish(rt, tid, args, kwargs, producer, link, link_error, shadow, options)
+
+    def _new_row(
+        self,
+        config: LeaseConfig,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+        dedup_key: str | None,
+        options: dict[str, Any],
+    ) -> NewTask:
+        args_text = encode(f"arguments of {self.name}", list(args or ()))
+        kwargs_text = encode(f"keyword arguments of {self.name}", dict(kwargs or {}))
+        routing: dict[str, Any] = {}
+        for key in _ROUTING_OPTIONS:
+            value = options.get(key)
+            if value is not None:
+                routing[key] = getattr(value, "name", value)
+        countdown = options.get("countdown")
+        eta = options.get("eta")
+        if isinstance(eta, str):
+            eta = datetime.fromisoformat(eta)
+        if isinstance(eta, datetime) and eta.tzinfo is None:
+            eta = eta.replace(tzinfo=timezone.utc)
+        return NewTask(
+            id=task_id,
+            name=self.name,
+            args=args_text,
+            kwargs=kwargs_text,
+            options=dumps(routing),
+            dedup_key=dedup_key,
+            countdown=float(countdown) if countdown is not None else None,
+            eta=eta if countdown is None else None,
+            **self.lease_options(config),
+        )
+
+    def _publish(
+        self,
+        rt: Any,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+        producer: Any,
+        link: Any,
+        link_error: Any,
+        shadow: str | None,
+        options: dict[str, Any],
+    ) -> AsyncResult:
+        try:
+            result = super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        except (KombuOperationalError, ConnectionError, OSError) as error:
+            # the row is the outbox: the reaper publishes it once the broker is back
+            logger.warning(
+                "task %s[%s] recorded but not published (%s): the reaper will publish it",
+                self.name,
+                task_id,
+                error,
+            )
+            return self.AsyncResult(task_id)
+        except Exception:
+            rt.store.discard_unpublished(task_id)
+            raise
+        try:
+            rt.store.mark_published([task_id])
+        except StoreError as error:
+            # harmless: the row is re-published after lease_publish_grace, dropped at claim
+            logger.warning("task %s[%s]: could not mark published: %s", self.name, task_id, error)
+        return result
+
+    # -- worker: claim, run, outcome ---------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        req = self.request
+        if req.called_directly or req.is_eager:
+            return self.run(*args, **kwargs)
+        rt = runtime(self._get_app())
+        inc = rt.incarnation
+        if inc is None:
+            raise ConfigurationError(
+                "celery-lease's worker bootstep is not running in this process: "
+                "start workers with `celery -A proj worker` on an app that uses LeasedTask"
+            )
+        store = rt.store
+        opts = self.lease_options(rt.config)
+        adopt = self._adoption(req, args, kwargs, opts)
+        claim = store.claim(req.id, inc.id, inc.actor, adopt=adopt)
+        if isinstance(claim, Refusal):
+            logger.info(
+                "task %s[%s]: delivery dropped without running (%s)", self.name, req.id, claim.why
+            )
+            raise Ignore()
+        execution = Execution(
+            store=store,
+            claim=claim,
+            fenced=lambda: inc.flags.fenced,
+            check_interval=rt.config.heartbeat_interval,
+        )
+        req.lease = execution
+        req.retries = claim.retries
+        try:
+            retval = self.run(*args, **kwargs)
+        except Retry:
+            raise
+        except LeaseLost as lost:
+            logger.warning(
+                "task %s[%s]: %s; stopping, nothing more written", self.name, req.id, lost
+            )
+            raise Ignore() from lost
+        except TaskCancelled as cancelled:
+            self._outcome(
+                execution, State.CANCELLED, reason=f"cancelled: {cancelled.reason or 'requested'}"
+            )
+            raise Ignore() from cancelled
+        except Ignore:
+            self._outcome(execution, State.SUCCEEDED, reason="task raised Ignore")
+            raise
+        except Reject as reject:
+            if reject.requeue:
+                self._retry_outcome(execution, 0.0, "task rejected with requeue", repr(reject))
+            else:
+                self._outcome(execution, State.FAILED, reason="task rejected", error=repr(reject))
+            raise
+        except Exception as error:
+            self._outcome(
+                execution,
+                State.FAILED,
+                reason="task raised",
+                error=f"{type(error).__name__}: {error}",
+            )
+            raise
+        stored, reason = self._encode_result(retval, rt.config.result_max_bytes)
+        if not self._outcome(execution, State.SUCCEEDED, reason=reason, result=stored):
+            raise Ignore()
+        return retval
+
+    def _adoption(
+        self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any], opts: dict[str, Any]
+    ) -> NewTask:
+        """The row to create if this message was sent without one (e.g. by name)."""
+        try:
+            args_text: str | None = encode("arguments", list(args))
+            kwargs_text: str | None = encode("keyword arguments", dict(kwargs))
+        except NotSerializable:
+            args_text = kwargs_text = None
+        info = req.delivery_info or {}
+        routing = {"exchange": info.get("exchange"), "routing_key": info.get("routing_key")}
+        return NewTask(
+            id=req.id,
+            name=self.name,
+            args=args_text,
+            kwargs=kwargs_text,
+            options=dumps({k: v for k, v in routing.items() if v}),
+            **opts,
+        )
+
+    @staticmethod
+    def _encode_result(value: Any, limit: int) -> tuple[str | None, str]:
+        try:
+            return encode("result", value, limit), "succeeded"
+        except NotSerializable as error:
+            return None, f"succeeded; result not stored ({error})"
+
+    def _outcome(
+        self,
+        execution: Execution,
+        to: State,
+        *,
+        reason: str,
+        result: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Write the outcome once, fenced; ``False`` when the lease was lost meanwhile."""
+        if execution.finished:
+            return False
+        execution.finished = True
+        rt = runtime(self._get_app())
+        assert rt.incarnation is not None
+        ok = rt.store.finish(
+            execution.lease,
+            to,
+            actor=rt.incarnation.actor,
+            reason=reason,
+            result=result,
+            error=error,
+        )
+        if not ok:
+            logger.warning(
+                "task %s[%s] attempt %d: outcome %s rejected, the lease was lost (another "
+                "attempt or a person owns the task now)",
+                self.name,
+                execution.task_id,
+                execution.attempt,
+                to,
+            )
+        return ok
+
+    def _retry_outcome(
+        self, execution: Execution, delay: float, reason: str, error: str | None
+    ) -> bool:
+        if execution.finished:
+            return False
+        execution.finished = True
+        rt = runtime(self._get_app())
+        assert rt.incarnation is not None
+        return rt.store.schedule_retry(
+            execution.lease, delay, actor=rt.incarnation.actor, reason=reason, error=error
+        )
+
+    def retry(  # type: ignore[override]
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Retry:
+        """Move the row to RETRY_WAIT; the reaper re-publishes it when due.
+
+        The delay follows Celery's options: ``countdown``/``eta``, else
+        ``retry_backoff``/``retry_backoff_max``/``retry_jitter``, else
+        ``default_retry_delay``. Past ``max_retries`` the task ends FAILED, or
+        WAIT_MANUAL with ``on_exhausted="manual"``.
+        """
+        req = self.request
+        execution: Execution | None = getattr(req, "lease", None)
+        if execution is None:
+            return super().retry(  # type: ignore[no-any-return]
+                args, kwargs, exc, throw, eta, countdown, max_retries, **options
+            )
+        if args is not None or kwargs is not None:
+            raise ConfigurationError(
+                f"task {self.name}: retry() with new arguments is not supported for leased "
+                "tasks (the row keeps the submitted arguments); save state with steps instead"
+            )
+        limit = self.max_retries if max_retries is None else max_retries
+        retries = execution.claim.retries
+        described = f"{type(exc).__name__}: {exc}" if exc is not None else None
+        if limit is not None and retries >= limit:
+            if self.on_exhausted == "manual":
+                self._outcome(
+                    execution,
+                    State.WAIT_MANUAL,
+                    reason=f"retries exhausted ({retries}/{limit}): {described or 'retry()'}",
+                    error=described,
+                )
+                raise Ignore()
+            self._outcome(
+                execution,
+                State.FAILED,
+                reason=f"retries exhausted ({retries}/{limit})",
+                error=described,
+            )
+            if exc is not None:
+                raise exc
+            raise self.MaxRetriesExceededError(
+                f"Can't retry {self.name}[{req.id}] args:{req.args} kwargs:{req.kwargs}"
+            )
+        if countdown is None and eta is not None:
+            countdown = max(0.0, (eta - datetime.now(timezone.utc)).total_seconds())
+        delay = policy.retry_delay(
+            retries=retries,
+            countdown=countdown,
+            default_delay=float(self.default_retry_delay or 0),
+            backoff=getattr(self, "retry_backoff", False),
+            backoff_max=float(getattr(self, "retry_backoff_max", 600) or 600),
+            jitter=bool(getattr(self, "retry_jitter", True)),
+        )
+        self._retry_outcome(
+            execution,
+            delay,
+            f"retry {retries + 1}/{limit if limit is not None else 'unlimited'} in {delay:.3g} s",
+            described,
+        )
+        ret = Retry(exc=exc, when=delay)
+        if throw:
+            raise ret
+        return ret
+
+    # -- inside the task: steps, progress, cancellation --------------------------------
+
+    def _execution(self) -> Execution:
+        execution: Execution | None = getattr(self.request, "lease", None)
+        if execution is None:
+            raise ConfigurationError(
+                f"task {self.name}: steps, progress and cancellation need a worker execution "
+                "(not a direct call or eager apply)"
+            )
+        return execution
+
+    def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        idempotent: bool = False,
+        check: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` once per task, across attempts; return its result.
+
+        A step recorded done returns its stored (JSON) result without calling ``fn``.
+        A step not declared ``idempotent`` records that it started first: if the lease
+        expires while it is in flight, the task goes to WAIT_MANUAL ("outcome of step
+        unknown") instead of being retried, unless ``check`` is given. ``check`` takes the
+        same arguments and returns the call's result if it happened, or ``None``.
+
+        Raises:
+            LeaseLost: this execution lost its lease; stop, nothing more is written.
+            TaskCancelled: an operator cancelled the task.
+            NotSerializable: the result cannot be stored (the step is not marked done).
+        """
+        if getattr(self.request, "lease", None) is None:
+            return fn(*args, **kwargs)
+        return self._execution().step(name, fn, args, kwargs, idempotent=idempotent, check=check)
+
+    def idempotency_key(self, name: str) -> str:
+        """A key for step ``name`` that is the same in every attempt, on every worker."""
+        task_id = self.request.id
+        if task_id is None:
+            raise ConfigurationError("idempotency_key() needs a task id (call it inside a task)")
+        digest = hashlib.sha256(f"{task_id}\x00{name}".encode()).hexdigest()[:32]
+        return f"{self.name}:{digest}"
+
+    def save_progress(self, value: Any) -> None:
+        """Store one JSON value as this task's progress cursor (fenced; counts as progress)."""
+        self._execution().save_progress(value)
+
+    def load_progress(self, default: Any = None) -> Any:
+        """The progress cursor saved by an earlier attempt (or ``default``)."""
+        return self._execution().load_progress(default)
+
+    def check_cancelled(self) -> None:
+        """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
+        self._execution().boundary()

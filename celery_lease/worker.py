@@ -1,0 +1,283 @@
+"""Hooks into the Celery worker: bootstep, signals and the parent-side Request.
+
+The worker's main process owns the incarnation row and renews it (heartbeat
+thread), runs the embedded reaper (its own thread, behind a database lock), and
+sees pool children die or hit hard time limits, which expires their leases at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from billiard.einfo import ExceptionWithTraceback
+from celery import Celery, bootsteps, signals
+from celery.exceptions import Terminated, WorkerLostError
+from celery.worker.request import Request
+
+from . import config as _config
+from ._runtime import Incarnation, Runtime, runtime
+from .exceptions import StoreError
+from .heartbeat import Heartbeat
+from .reaper import Reaper
+
+logger = logging.getLogger("celery_lease.worker")
+
+_install_lock = threading.Lock()
+BEAT_ENTRY = "celery-lease-reap"
+
+
+def install(app: Celery) -> Runtime:
+    """Hook celery-lease into ``app`` (idempotent).
+
+    Called automatically when a ``LeasedTask`` binds to the app; call it yourself
+    only to install before any leased task is defined. Adds the worker bootstep,
+    the beat entry for the reaper (``lease_beat_reaper``) and the signal handlers.
+    """
+    rt = runtime(app)
+    with _install_lock:
+        if rt.installed:
+            return rt
+        rt.installed = True
+    app.steps["worker"].add(LeaseStep)
+    if app.configured:
+        _add_beat_entry(app)
+    else:
+        app.on_after_configure.connect(_on_configured, weak=False)
+    return rt
+
+
+def _on_configured(sender: Celery, **kwargs: Any) -> None:
+    if runtime(sender).installed:
+        _add_beat_entry(sender)
+
+
+def _add_beat_entry(app: Celery) -> None:
+    cfg = _config.from_mapping(app.conf)
+    if cfg.beat_reaper and BEAT_ENTRY not in (app.conf.beat_schedule or {}):
+        app.add_periodic_task(
+            cfg.reaper_interval,
+            app.signature("celery_lease.reap"),
+            name=BEAT_ENTRY,
+            expires=max(cfg.reaper_interval, 1.0),
+        )
+
+
+class WorkerService:
+    """Everything celery-lease runs in a worker's main process."""
+
+    def __init__(self, rt: Runtime, nodename: str) -> None:
+        self.rt = rt
+        cfg = rt.config
+        self.store = store = rt.store
+        inc = Incarnation(uuid.uuid4().hex, nodename, socket.gethostname(), os.getpid())
+        predecessors = store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid)
+        # set before the pool forks: children inherit the incarnation and its flags
+        rt.incarnation = self.incarnation = inc
+        self.reaper = Reaper(rt.app, actor=f"reaper:{nodename}", store=store)
+        self._events: queue.Queue[tuple[str, str, str]] = queue.Queue()
+        self._stopping = threading.Event()
+        self.heartbeat = Heartbeat(
+            store,
+            inc,
+            interval=cfg.heartbeat_interval,
+            ttl=cfg.ttl,
+            on_recovered=self._expire_own,
+        )
+        self._thread = threading.Thread(target=self._loop, name="celery-lease-reaper", daemon=True)
+        if predecessors:
+            expired = store.expire(
+                actor=inc.actor,
+                reason=f"worker {nodename} restarted: its previous incarnation is gone",
+                owners=predecessors,
+                only_expired=False,
+                limit=10_000,
+            )
+            self.reaper.publish_due()
+            if expired:
+                logger.warning(
+                    "worker %s: expired %d leases held by its dead predecessor",
+                    nodename,
+                    len(expired),
+                )
+        logger.info(
+            "celery-lease: worker %s incarnation %s (store %s)", nodename, inc.id, store.url
+        )
+
+    def start(self) -> None:
+        self.heartbeat.start()
+        self._thread.start()
+
+    # -- events from the main process (never block its event loop) ---------------------
+
+    def child_lost(self, task_id: str, reason: str) -> None:
+        """A pool child died or hit its hard time limit while running ``task_id``."""
+        self._events.put(("lost", task_id, reason))
+
+    def revoked(self, task_id: str, reason: str) -> None:
+        """The worker discarded ``task_id`` (revoked or expired) before running it."""
+        self._events.put(("revoked", task_id, reason))
+
+    def _handle(self, events: list[tuple[str, str, str]]) -> None:
+        inc = self.incarnation
+        for kind, task_id, reason in events:
+            if kind == "lost":
+                self.store.expire(
+                    actor=inc.actor,
+                    reason=reason,
+                    task_ids=[task_id],
+                    owners=[inc.id],
+                    only_expired=False,
+                )
+                # a child lost before its claim leaves a PENDING row whose message is gone
+                self.reaper.publish(self.store.take_pending([task_id]))
+            elif kind == "revoked":
+                try:
+                    self.store.request_cancel(task_id, actor=inc.actor, reason=reason)
+                except Exception as error:
+                    logger.info("task %s: revoke not recorded: %s", task_id, error)
+        self.reaper.publish_due()
+
+    def _loop(self) -> None:
+        cfg = self.rt.config
+        next_sweep = time.monotonic() + cfg.reaper_interval
+        lock_ttl = max(cfg.reaper_interval * 3, 1.0)
+        while not self._stopping.is_set():
+            events: list[tuple[str, str, str]] = []
+            try:
+                events.append(self._events.get(timeout=max(0.0, next_sweep - time.monotonic())))
+                while True:
+                    events.append(self._events.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                if events:
+                    self._handle(events)
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + cfg.reaper_interval
+                    if cfg.embedded_reaper and self.store.try_lock(
+                        "reaper", self.incarnation.id, lock_ttl
+                    ):
+                        self.reaper.sweep()
+            except StoreError as error:
+                logger.warning("celery-lease reaper: %s", error)
+                for event in events:  # keep fast-path events until the database answers
+                    self._events.put(event)
+                self._stopping.wait(min(1.0, cfg.reaper_interval))
+            except Exception:
+                logger.exception("celery-lease reaper: unexpected error (continuing)")
+                self._stopping.wait(min(1.0, cfg.reaper_interval))
+
+    def _expire_own(self, reason: str) -> None:
+        inc = self.incarnation
+        self.store.expire(
+            actor=inc.actor, reason=reason, owners=[inc.id], only_expired=False, limit=10_000
+        )
+
+    def shutdown(self, reason: str) -> None:
+        """Mark the incarnation stopped; leases it still holds expire at once."""
+        self._stopping.set()
+        self.heartbeat.stop()
+        inc = self.incarnation
+        try:
+            self.store.stop_worker(inc.id, reason)
+            leftover = self.store.expire(
+                actor=inc.actor,
+                reason=f"worker {inc.nodename} stopped ({reason}) while the task ran",
+                owners=[inc.id],
+                only_expired=False,
+                limit=10_000,
+            )
+            self.reaper.publish_due()
+            self.store.release_lock("reaper", inc.id)
+            if leftover:
+                logger.warning(
+                    "worker %s: %d leases expired at shutdown", inc.nodename, len(leftover)
+                )
+        except StoreError as error:
+            logger.error(
+                "worker %s: could not record shutdown (%s): its leases expire after their TTL",
+                inc.nodename,
+                error,
+            )
+
+
+class LeaseStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: register the incarnation before the pool forks, then start the
+    heartbeat and embedded reaper threads. Shutdown is handled on ``worker_shutdown``,
+    which is sent after the pool has drained (a warm shutdown keeps renewing until then)."""
+
+    label = "celery-lease"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        rt = runtime(worker.app)
+        rt.service = WorkerService(rt, worker.hostname)
+        self.service = rt.service
+
+    def start(self, worker: Any) -> None:
+        self.service.start()
+
+
+@signals.worker_shutdown.connect(weak=False)
+def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    rt = runtime(app)
+    if rt.service is not None and rt.incarnation is not None:
+        rt.service.shutdown("shutdown")
+        rt.service = None
+
+
+@signals.task_revoked.connect(weak=False)
+def _on_task_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **kwargs: Any,
+) -> None:
+    task = sender
+    if request is None or not getattr(task, "Request", "").startswith("celery_lease."):
+        return
+    rt = runtime(task._get_app())
+    if rt.service is None or terminated:
+        return  # a terminated child is handled as a lost child by LeasedRequest
+    reason = "expired before it ran (expires option)" if expired else "revoked before it ran"
+    rt.service.revoked(request.id, reason)
+
+
+class LeasedRequest(Request):  # type: ignore[misc]
+    """Request seen by the worker's main process: expires the lease at once when the
+    pool child running it dies or hits its hard time limit (no TTL wait)."""
+
+    def _service(self) -> WorkerService | None:
+        return runtime(self.task._get_app()).service
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        service = self._service()
+        if service is not None:
+            if isinstance(exc, WorkerLostError):
+                service.child_lost(self.id, f"pool child lost: {exc}")
+            elif isinstance(exc, (SystemExit, KeyboardInterrupt, Terminated)):
+                service.child_lost(self.id, f"pool child terminated: {exc!r}")
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )
+
+    def on_timeout(self, soft: bool, timeout: float) -> Any:
+        service = self._service()
+        if not soft and service is not None:
+            service.child_lost(self.id, f"hard time limit ({timeout} s) exceeded")
+        return super().on_timeout(soft, timeout)
