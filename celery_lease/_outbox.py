@@ -31,7 +31,7 @@ def submit_in_transaction(
     link_error: Any,
     shadow: str | None,
     options: dict[str, Any],
-) -> AsyncResult:
+) -> AsyncResult:  # type: ignore[type-arg]
     """Insert the row with ``connection`` and publish once its transaction commits.
 
     With a ``Session`` the message is published from its ``after_commit`` event; a

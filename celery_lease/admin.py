@@ -6,6 +6,7 @@ actor and reason; an illegal request raises and changes nothing.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -97,7 +98,7 @@ class Admin:
             state=state, name=name, older_than=older_than, worker=worker, limit=limit
         )
 
-    def workers(self) -> list[WorkerRecord]:
+    def workers(self) -> builtins.list[WorkerRecord]:
         """Worker incarnations, newest first, with liveness and tasks owned."""
         return self.store.workers()
 

@@ -37,8 +37,9 @@ class LeaseConfig:
     embedded_reaper: bool = True
     #: Register the reaper as a beat entry.
     beat_reaper: bool = True
-    #: A PENDING row published but not claimed for this long is published again.
-    republish_after: float = 300.0
+    #: A PENDING row published but not claimed for this long is published again (its
+    #: message was lost); each further re-publish of the same row waits twice as long.
+    republish_after: float = 60.0
     #: A PENDING row whose producer never marked it published is published after this grace.
     publish_grace: float = 10.0
     #: Lease expiries tolerated before a task goes to WAIT_MANUAL instead of retrying.
@@ -94,7 +95,8 @@ class LeaseConfig:
                 raise ConfigurationError(f"{key} must be positive or None, got {ovalue!r}")
         if not self.table_prefix.replace("_", "").isalnum():
             raise ConfigurationError(
-                f"lease_table_prefix must be letters, digits and underscores, got {self.table_prefix!r}"
+                "lease_table_prefix must be letters, digits and underscores, "
+                f"got {self.table_prefix!r}"
             )
 
 

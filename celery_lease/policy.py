@@ -62,8 +62,8 @@ def retry_delay(
         return max(0.0, float(countdown))
     if backoff:
         factor = 1.0 if backoff is True else float(backoff)
-        delay = min(float(backoff_max), factor * (2**retries))
+        delay: float = min(float(backoff_max), factor * float(2**retries))
         if jitter:
-            delay = (rng or random).uniform(0, delay)
+            delay = float((rng or random).uniform(0, delay))
         return max(0.0, delay)
     return max(0.0, float(default_delay))

@@ -146,7 +146,7 @@ def reap(app: Celery, actor: str | None = None) -> ReapReport:
     return Reaper(app, actor).sweep()
 
 
-@shared_task(name="celery_lease.reap", ignore_result=True)  # type: ignore[untyped-decorator]
+@shared_task(name="celery_lease.reap", ignore_result=True)
 def reap_task() -> dict[str, int]:
     """The beat entry: one sweep, run by whichever worker takes the message."""
     return reap(current_app, actor=f"beat:{socket.gethostname()}").as_dict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 from collections.abc import Callable
@@ -30,7 +31,13 @@ _ON_TIMEOUT = ("retry", "manual")
 _ON_EXHAUSTED = ("fail", "manual")
 
 
-class LeasedTask(Task):  # type: ignore[misc]
+#: The execution running in this thread (prefork child, thread pool thread, solo worker).
+_current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
+    "celery_lease_execution", default=None
+)
+
+
+class LeasedTask(Task):  # type: ignore[type-arg]
     """Base class for crash-safe tasks: ``@app.task(base=LeasedTask)``.
 
     Options (decorator keyword arguments or class attributes):
@@ -79,7 +86,8 @@ class LeasedTask(Task):  # type: ignore[misc]
             raise ConfigurationError(f"task {self.name}: max_runtime must be positive")
         if self.on_timeout not in _ON_TIMEOUT:
             raise ConfigurationError(
-                f"task {self.name}: on_timeout must be one of {_ON_TIMEOUT}, got {self.on_timeout!r}"
+                f"task {self.name}: on_timeout must be one of {_ON_TIMEOUT}, "
+                f"got {self.on_timeout!r}"
             )
         if self.on_exhausted not in _ON_EXHAUSTED:
             raise ConfigurationError(
@@ -99,7 +107,7 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     # -- producer ---------------------------------------------------------------------
 
-    def apply_async(  # type: ignore[override]
+    def apply_async(
         self,
         args: Any = None,
         kwargs: Any = None,
@@ -112,7 +120,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         dedup_key: str | None = None,
         connection: Any = None,
         **options: Any,
-    ) -> AsyncResult:
+    ) -> AsyncResult:  # type: ignore[type-arg]
         """Write the task's row (PENDING), then publish its message.
 
         ``dedup_key``: a second submission with the same key returns the first task's
@@ -123,7 +131,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         Raises:
             NotSerializable: the arguments cannot be stored as JSON (nothing is published).
         """
-        app = self._get_app()
+        app = self.app
         if app.conf.task_always_eager:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -189,7 +197,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         link_error: Any,
         shadow: str | None,
         options: dict[str, Any],
-    ) -> AsyncResult:
+    ) -> AsyncResult:  # type: ignore[type-arg]
         try:
             result = super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -219,7 +227,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         req = self.request
         if req.called_directly or req.is_eager:
             return self.run(*args, **kwargs)
-        rt = runtime(self._get_app())
+        rt = runtime(self.app)
         inc = rt.incarnation
         if inc is None:
             raise ConfigurationError(
@@ -229,7 +237,10 @@ class LeasedTask(Task):  # type: ignore[misc]
         store = rt.store
         opts = self.lease_options(rt.config)
         adopt = self._adoption(req, args, kwargs, opts)
-        claim = store.claim(req.id, inc.id, inc.actor, adopt=adopt)
+        task_id = req.id
+        if not task_id:
+            raise ConfigurationError(f"task {self.name}: a delivery without a task id")
+        claim = store.claim(task_id, inc.id, inc.actor, adopt=adopt)
         if isinstance(claim, Refusal):
             logger.info(
                 "task %s[%s]: delivery dropped without running (%s)", self.name, req.id, claim.why
@@ -241,8 +252,17 @@ class LeasedTask(Task):  # type: ignore[misc]
             fenced=lambda: inc.flags.fenced,
             check_interval=rt.config.heartbeat_interval,
         )
-        req.lease = execution
         req.retries = claim.retries
+        token = _current.set(execution)
+        try:
+            return self._run(execution, rt.config.result_max_bytes, args, kwargs)
+        finally:
+            _current.reset(token)
+
+    def _run(
+        self, execution: Execution, result_limit: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        req = self.request
         try:
             retval = self.run(*args, **kwargs)
         except Retry:
@@ -261,7 +281,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             self._outcome(execution, State.SUCCEEDED, reason="task raised Ignore")
             raise
         except Reject as reject:
-            if reject.requeue:
+            if getattr(reject, "requeue", False):
                 self._retry_outcome(execution, 0.0, "task rejected with requeue", repr(reject))
             else:
                 self._outcome(execution, State.FAILED, reason="task rejected", error=repr(reject))
@@ -274,7 +294,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 error=f"{type(error).__name__}: {error}",
             )
             raise
-        stored, reason = self._encode_result(retval, rt.config.result_max_bytes)
+        stored, reason = self._encode_result(retval, result_limit)
         if not self._outcome(execution, State.SUCCEEDED, reason=reason, result=stored):
             raise Ignore()
         return retval
@@ -319,7 +339,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         if execution.finished:
             return False
         execution.finished = True
-        rt = runtime(self._get_app())
+        rt = runtime(self.app)
         assert rt.incarnation is not None
         ok = rt.store.finish(
             execution.lease,
@@ -346,17 +366,17 @@ class LeasedTask(Task):  # type: ignore[misc]
         if execution.finished:
             return False
         execution.finished = True
-        rt = runtime(self._get_app())
+        rt = runtime(self.app)
         assert rt.incarnation is not None
         return rt.store.schedule_retry(
             execution.lease, delay, actor=rt.incarnation.actor, reason=reason, error=error
         )
 
-    def retry(  # type: ignore[override]
+    def retry(
         self,
         args: Any = None,
         kwargs: Any = None,
-        exc: BaseException | None = None,
+        exc: Exception | None = None,
         throw: bool = True,
         eta: datetime | None = None,
         countdown: float | None = None,
@@ -371,9 +391,9 @@ class LeasedTask(Task):  # type: ignore[misc]
         WAIT_MANUAL with ``on_exhausted="manual"``.
         """
         req = self.request
-        execution: Execution | None = getattr(req, "lease", None)
+        execution = _current.get()
         if execution is None:
-            return super().retry(  # type: ignore[no-any-return]
+            return super().retry(
                 args, kwargs, exc, throw, eta, countdown, max_retries, **options
             )
         if args is not None or kwargs is not None:
@@ -420,7 +440,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             f"retry {retries + 1}/{limit if limit is not None else 'unlimited'} in {delay:.3g} s",
             described,
         )
-        ret = Retry(exc=exc, when=delay)
+        ret = Retry(exc=exc, when=delay)  # type: ignore[arg-type]
         if throw:
             raise ret
         return ret
@@ -428,7 +448,7 @@ class LeasedTask(Task):  # type: ignore[misc]
     # -- inside the task: steps, progress, cancellation --------------------------------
 
     def _execution(self) -> Execution:
-        execution: Execution | None = getattr(self.request, "lease", None)
+        execution = _current.get()
         if execution is None:
             raise ConfigurationError(
                 f"task {self.name}: steps, progress and cancellation need a worker execution "
@@ -458,7 +478,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             TaskCancelled: an operator cancelled the task.
             NotSerializable: the result cannot be stored (the step is not marked done).
         """
-        if getattr(self.request, "lease", None) is None:
+        if _current.get() is None:
             return fn(*args, **kwargs)
         return self._execution().step(name, fn, args, kwargs, idempotent=idempotent, check=check)
 

@@ -16,7 +16,6 @@ import time
 import uuid
 from typing import Any
 
-from billiard.einfo import ExceptionWithTraceback
 from celery import Celery, bootsteps, signals
 from celery.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
@@ -46,7 +45,7 @@ def install(app: Celery) -> Runtime:
             return rt
         rt.installed = True
     app.steps["worker"].add(LeaseStep)
-    if app.configured:
+    if getattr(app, "configured", False):
         _add_beat_entry(app)
     else:
         app.on_after_configure.connect(_on_configured, weak=False)
@@ -208,7 +207,7 @@ class WorkerService:
             )
 
 
-class LeaseStep(bootsteps.StartStopStep):  # type: ignore[misc]
+class LeaseStep(bootsteps.StartStopStep):
     """Worker bootstep: register the incarnation before the pool forks, then start the
     heartbeat and embedded reaper threads. Shutdown is handled on ``worker_shutdown``,
     which is sent after the pool has drained (a warm shutdown keeps renewing until then)."""
@@ -246,26 +245,25 @@ def _on_task_revoked(
     task = sender
     if request is None or not getattr(task, "Request", "").startswith("celery_lease."):
         return
-    rt = runtime(task._get_app())
+    rt = runtime(task.app)
     if rt.service is None or terminated:
         return  # a terminated child is handled as a lost child by LeasedRequest
     reason = "expired before it ran (expires option)" if expired else "revoked before it ran"
     rt.service.revoked(request.id, reason)
 
 
-class LeasedRequest(Request):  # type: ignore[misc]
+class LeasedRequest(Request):
     """Request seen by the worker's main process: expires the lease at once when the
     pool child running it dies or hits its hard time limit (no TTL wait)."""
 
     def _service(self) -> WorkerService | None:
-        return runtime(self.task._get_app()).service
+        return runtime(self.task.app).service
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> Any:
         exc = exc_info.exception
-        if isinstance(exc, ExceptionWithTraceback):
-            exc = exc.exc
+        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback wrapper
         service = self._service()
         if service is not None:
             if isinstance(exc, WorkerLostError):

@@ -1,6 +1,6 @@
 """Storage: the lease tables and the operations on them (SQLAlchemy Core)."""
 
-from ._base import dumps
+from ._base import Listener, TransitionEvent, dumps
 from ._store import Store
 from ._types import Claim, Expiry, FenceResult, Lease, NewTask, Publishable, Refusal
 from .schema import SCHEMA_VERSION, Tables, build
@@ -11,11 +11,13 @@ __all__ = [
     "Expiry",
     "FenceResult",
     "Lease",
+    "Listener",
     "NewTask",
     "Publishable",
     "Refusal",
     "Store",
     "Tables",
+    "TransitionEvent",
     "build",
     "dumps",
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -18,6 +21,25 @@ from ._types import Lease
 from .schema import Tables, build
 
 T = TypeVar("T")
+
+logger = logging.getLogger("celery_lease.store")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransitionEvent:
+    """A committed state change, handed to the store's listeners after the commit."""
+
+    task_id: str
+    name: str | None
+    from_state: State | None
+    to_state: State
+    reason: str
+    actor: str
+    attempt: int
+
+
+#: Called once per committed transaction with the transitions it made.
+Listener = Callable[[Sequence[TransitionEvent]], None]
 
 
 def dumps(value: Any) -> str:
@@ -36,6 +58,9 @@ class StoreBase:
         self.dialect = self.engine.dialect.name
         self.is_pg = self.dialect == "postgresql"
         self._schema_checked = False
+        #: Called after each commit with its transitions (logs, events, metrics, backends).
+        self.listeners: list[Listener] = []
+        self._local = threading.local()
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -43,10 +68,30 @@ class StoreBase:
         """Run ``fn(conn, is_retry)`` in one transaction, retrying transient errors."""
 
         def attempt(is_retry: bool) -> T:
-            with self.engine.begin() as conn:
-                return fn(conn, is_retry)
+            events: list[TransitionEvent] = []
+            self._local.events = events
+            try:
+                with self.engine.begin() as conn:
+                    result = fn(conn, is_retry)
+            finally:
+                self._local.events = None
+            if events:
+                self._dispatch(events)
+            return result
 
         return _engine.retrying(attempt, retries=self.config.db_retries, url=self.url)
+
+    def _dispatch(self, events: Sequence[TransitionEvent]) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(events)
+            except Exception:
+                logger.exception("celery-lease: transition listener %r failed", listener)
+
+    def _record_event(self, event: TransitionEvent) -> None:
+        events: list[TransitionEvent] | None = getattr(self._local, "events", None)
+        if events is not None:
+            events.append(event)
 
     def _read(self, fn: Callable[[Connection], T]) -> T:
         def attempt(is_retry: bool) -> T:
@@ -77,9 +122,13 @@ class StoreBase:
             update(t)
             .where(t.c.state == frm.value, *where)
             .values(state=to.value, updated_at=db_now(), reason=reason, **(values or {}))
-            .returning(t.c.id, t.c.attempt, *returning)
+            .returning(t.c.id, t.c.attempt, t.c.name, *returning)
         )
         rows = list(conn.execute(stmt).all())
+        for row in rows:
+            self._record_event(
+                TransitionEvent(row.id, row.name, frm, to, reason, actor, int(row.attempt))
+            )
         if rows:
             conn.execute(
                 insert(self.t.transitions).values(at=db_now()),
@@ -112,6 +161,7 @@ class StoreBase:
         attempt: int,
     ) -> None:
         states.check(frm, to, task_id)
+        self._record_event(TransitionEvent(task_id, None, frm, to, reason, actor, attempt))
         conn.execute(
             insert(self.t.transitions).values(
                 task_id=task_id,

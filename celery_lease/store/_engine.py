@@ -129,9 +129,7 @@ def is_transient(error: exc.DBAPIError) -> bool:
     code = getattr(error.orig, "sqlstate", None) or getattr(error.orig, "pgcode", None)
     if code in _TRANSIENT_PG_CODES:
         return True
-    if isinstance(error, (exc.OperationalError, exc.InterfaceError)):
-        return True
-    return False
+    return isinstance(error, (exc.OperationalError, exc.InterfaceError))
 
 
 def wrap(error: exc.SQLAlchemyError, url: str) -> StoreError:

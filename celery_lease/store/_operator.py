@@ -323,4 +323,4 @@ class OperatorMixin(StoreBase):
         return self._tx(op)
 
     def db_time(self) -> datetime:
-        return self._read(lambda conn: conn.execute(select(db_now())).scalar_one())  # type: ignore[no-any-return]
+        return self._read(lambda conn: conn.execute(select(db_now())).scalar_one())

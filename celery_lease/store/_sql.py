@@ -78,7 +78,7 @@ class after(FunctionElement[datetime]):
     inherit_cache = True
 
     def __init__(self, ts: ColumnElement[Any], seconds: ColumnElement[Any] | float) -> None:
-        super().__init__(ts, seconds)  # type: ignore[arg-type]
+        super().__init__(ts, seconds)
 
 
 @compiles(after)

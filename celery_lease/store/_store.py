@@ -16,6 +16,7 @@ from sqlalchemy import (
     Connection,
     Row,
     and_,
+    case,
     delete,
     func,
     literal,
@@ -80,7 +81,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         With ``conn`` the row joins the caller's transaction (transactional enqueue).
         """
         t = self.t.tasks
-        values = {
+        values: dict[str, Any] = {
             "id": new.id,
             "name": new.name,
             "state": State.PENDING.value,
@@ -208,11 +209,8 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                     )
                 elif row is not None and is_retry and row.token == token:
                     # the first try committed but its answer was lost
-                    rows = list(
-                        conn.execute(
-                            select(t.c.id, t.c.attempt, *returning).where(t.c.id == task_id)
-                        ).all()
-                    )
+                    again = select(t.c.id, t.c.attempt, *returning).where(t.c.id == task_id)
+                    rows = list(conn.execute(again))
                 else:
                     state = State(row.state) if row is not None else None
                     why = "no row for this message" if row is None else f"task is {state}"
@@ -555,10 +553,16 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         batch = limit or cfg.reaper_batch_size
         now = db_now()
         never = and_(t.c.published_at.is_(None), after(t.c.updated_at, cfg.publish_grace) < now)
+        # each re-publish of the same row waits twice as long (capped at 64x): a long
+        # backlog, which looks like a lost message, is duplicated a few times, not flooded
+        backoff = case(
+            (t.c.publish_count >= 7, literal(64)),
+            else_=literal(1).op("<<")(t.c.publish_count - 1),
+        )
         lost = (
             after(
                 greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
-                cfg.republish_after,
+                literal(cfg.republish_after) * backoff,
             )
             < now
         )
