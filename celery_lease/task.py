@@ -393,9 +393,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         req = self.request
         execution = _current.get()
         if execution is None:
-            return super().retry(
-                args, kwargs, exc, throw, eta, countdown, max_retries, **options
-            )
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         if args is not None or kwargs is not None:
             raise ConfigurationError(
                 f"task {self.name}: retry() with new arguments is not supported for leased "

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, Connection, Row, insert, update
+from sqlalchemy import ColumnElement, Connection, Row, String, Text, insert, literal, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .. import states
@@ -61,18 +61,31 @@ class StoreBase:
         #: Called after each commit with its transitions (logs, events, metrics, backends).
         self.listeners: list[Listener] = []
         self._local = threading.local()
+        # PostgreSQL: single-statement operations run in autocommit, one round trip
+        # instead of BEGIN / statement / COMMIT
+        self._autocommit = (
+            self.engine.execution_options(isolation_level="AUTOCOMMIT") if self.is_pg else None
+        )
 
     # -- plumbing ---------------------------------------------------------------------
 
-    def _tx(self, fn: Callable[[Connection, bool], T]) -> T:
-        """Run ``fn(conn, is_retry)`` in one transaction, retrying transient errors."""
+    def _tx(self, fn: Callable[[Connection, bool], T], *, single: bool = False) -> T:
+        """Run ``fn(conn, is_retry)`` in one transaction, retrying transient errors.
+
+        ``single=True`` promises that ``fn`` executes exactly one statement: on
+        PostgreSQL it then runs in autocommit (the statement is its own transaction).
+        """
 
         def attempt(is_retry: bool) -> T:
             events: list[TransitionEvent] = []
             self._local.events = events
             try:
-                with self.engine.begin() as conn:
-                    result = fn(conn, is_retry)
+                if single and self._autocommit is not None:
+                    with self._autocommit.connect() as conn:
+                        result = fn(conn, is_retry)
+                else:
+                    with self.engine.begin() as conn:
+                        result = fn(conn, is_retry)
             finally:
                 self._local.events = None
             if events:
@@ -80,6 +93,26 @@ class StoreBase:
             return result
 
         return _engine.retrying(attempt, retries=self.config.db_retries, url=self.url)
+
+    def _single_then(
+        self,
+        fast: Callable[[Connection, bool], T | None],
+        slow: Callable[[Connection, bool], T],
+    ) -> T:
+        """Try ``fast`` (one statement, autocommit on PostgreSQL); when it answers
+        ``None`` run ``slow`` in a full transaction. ``slow`` is told whether any try
+        may have committed without its answer reaching us."""
+        retried = False
+
+        def first(conn: Connection, is_retry: bool) -> T | None:
+            nonlocal retried
+            retried = retried or is_retry
+            return fast(conn, is_retry)
+
+        result = self._tx(first, single=True)
+        if result is not None:
+            return result
+        return self._tx(lambda conn, is_retry: slow(conn, is_retry or retried))
 
     def _dispatch(self, events: Sequence[TransitionEvent]) -> None:
         for listener in list(self.listeners):
@@ -115,21 +148,41 @@ class StoreBase:
         values: dict[str, Any] | None = None,
         returning: Iterable[Any] = (),
     ) -> list[Row[Any]]:
-        """Compare-and-set ``frm -> to`` on the rows matching ``where``, with audit rows."""
+        """Compare-and-set ``frm -> to`` on the rows matching ``where``, with audit rows.
+
+        On PostgreSQL the state change and its audit rows are one statement (a
+        data-modifying CTE), so a caller running only this is one round trip.
+        """
         states.check(frm, to)
-        t = self.t.tasks
+        t, tr = self.t.tasks, self.t.transitions
         stmt = (
             update(t)
             .where(t.c.state == frm.value, *where)
             .values(state=to.value, updated_at=db_now(), reason=reason, **(values or {}))
             .returning(t.c.id, t.c.attempt, t.c.name, *returning)
         )
-        rows = list(conn.execute(stmt).all())
+        if self.is_pg:
+            moved = stmt.cte("moved")
+            audit = insert(tr).from_select(
+                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+                select(
+                    moved.c.id,
+                    literal(frm.value, String),
+                    literal(to.value, String),
+                    literal(reason, Text),
+                    literal(actor, String),
+                    moved.c.attempt,
+                    db_now(),
+                ),
+            )
+            rows = list(conn.execute(select(moved).add_cte(audit.cte("audit"))).all())
+        else:
+            rows = list(conn.execute(stmt).all())
         for row in rows:
             self._record_event(
                 TransitionEvent(row.id, row.name, frm, to, reason, actor, int(row.attempt))
             )
-        if rows:
+        if rows and not self.is_pg:
             conn.execute(
                 insert(self.t.transitions).values(at=db_now()),
                 [

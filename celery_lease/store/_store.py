@@ -14,12 +14,17 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Integer,
     Row,
+    String,
+    Text,
     and_,
     case,
     delete,
     func,
+    insert,
     literal,
+    null,
     or_,
     select,
     update,
@@ -29,7 +34,7 @@ from .. import policy, states
 from ..exceptions import SchemaOutOfDate
 from ..states import State
 from . import migrations
-from ._base import StoreBase
+from ._base import StoreBase, TransitionEvent
 from ._operator import OperatorMixin
 from ._sql import after, db_now, greatest, seconds_between
 from ._steps import StepsMixin
@@ -120,7 +125,36 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
 
         if conn is not None:
             return op(conn, False)
-        return self._tx(op)
+        if not self.is_pg:
+            return self._tx(op)
+
+        tr = self.t.transitions
+
+        def fast(conn: Connection, _: bool) -> tuple[str, bool] | None:
+            # row and audit row in one statement: one round trip in autocommit
+            ins = self._insert(t).values(**values).on_conflict_do_nothing().returning(t.c.id)
+            inserted = ins.cte("inserted")
+            audit = insert(tr).from_select(
+                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+                select(
+                    inserted.c.id,
+                    null(),
+                    literal(State.PENDING.value, String),
+                    literal("submitted", Text),
+                    literal("producer", String),
+                    literal(0, Integer),
+                    db_now(),
+                ),
+            )
+            created = conn.execute(select(inserted.c.id).add_cte(audit.cte("audit"))).scalar()
+            if created is None:
+                return None
+            self._record_event(
+                TransitionEvent(new.id, new.name, None, State.PENDING, "submitted", "producer", 0)
+            )
+            return new.id, True
+
+        return self._single_then(fast, op)
 
     def mark_published(self, ids: Sequence[str]) -> None:
         """Record that these PENDING rows' messages were handed to the broker."""
@@ -129,9 +163,6 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         t = self.t.tasks
 
         def op(conn: Connection, _: bool) -> None:
-            if self.is_pg:
-                # losing this write on a crash only causes one harmless re-publish
-                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             conn.execute(
                 update(t)
                 .where(
@@ -140,7 +171,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 .values(published_at=db_now(), publish_count=t.c.publish_count + 1)
             )
 
-        self._tx(op)
+        self._tx(op, single=True)
 
     def discard_unpublished(self, task_id: str) -> None:
         """Delete a row whose message could not be built (nothing was published)."""
@@ -180,6 +211,28 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         }
         returning = (t.c.retries, t.c.recoveries, t.c.cancel_requested_at)
 
+        def claimed(r: Row[Any], adopted: bool) -> Claim:
+            return Claim(
+                lease=Lease(task_id, int(r.attempt), token),
+                retries=int(r.retries),
+                recoveries=int(r.recoveries),
+                resumed=adopted or int(r.attempt) > 1,
+                cancel_requested=r.cancel_requested_at is not None,
+            )
+
+        def fast(conn: Connection, _: bool) -> Claim | None:
+            rows = self._move(
+                conn,
+                [t.c.id == task_id],
+                State.PENDING,
+                State.RUNNING,
+                reason=f"claimed by {actor}",
+                actor=actor,
+                values=claim_values,
+                returning=returning,
+            )
+            return claimed(rows[0], False) if rows else None
+
         def op(conn: Connection, is_retry: bool) -> Claim | Refusal:
             rows = self._move(
                 conn,
@@ -215,16 +268,9 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                     state = State(row.state) if row is not None else None
                     why = "no row for this message" if row is None else f"task is {state}"
                     return Refusal(task_id, state, why)
-            r = rows[0]
-            return Claim(
-                lease=Lease(task_id, int(r.attempt), token),
-                retries=int(r.retries),
-                recoveries=int(r.recoveries),
-                resumed=adopted or int(r.attempt) > 1,
-                cancel_requested=r.cancel_requested_at is not None,
-            )
+            return claimed(rows[0], adopted)
 
-        return self._tx(op)
+        return self._single_then(fast, op)
 
     def _adopt(self, conn: Connection, new: NewTask) -> None:
         t = self.t.tasks
@@ -276,6 +322,18 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             # over max_runtime the row went to WAIT_MANUAL but its owner kept running
             sources.append(State.WAIT_MANUAL)
 
+        def fast(conn: Connection, _: bool) -> bool | None:
+            moved = self._move(
+                conn,
+                self._fenced(lease),
+                State.RUNNING,
+                to,
+                reason=reason,
+                actor=actor,
+                values=values,
+            )
+            return True if moved else None
+
         def op(conn: Connection, is_retry: bool) -> bool:
             for frm in sources:
                 if self._move(
@@ -289,7 +347,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 return row is not None and row.token == lease.token and row.state == to.value
             return False
 
-        return self._tx(op)
+        return self._single_then(fast, op)
 
     def schedule_retry(
         self, lease: Lease, delay: float, *, actor: str, reason: str, error: str | None
@@ -320,7 +378,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 return row is not None and row.token == lease.token and row.state == "RETRY_WAIT"
             return False
 
-        return self._tx(op)
+        return self._single_then(lambda conn, retry: op(conn, False) or None, op)
 
     # -- lease expiry -----------------------------------------------------------------
 

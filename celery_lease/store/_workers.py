@@ -45,9 +45,6 @@ class WorkersMixin(StoreBase):
         w = self.t.workers
 
         def op(conn: Connection, _: bool) -> bool:
-            if self.is_pg:
-                # a heartbeat lost in a crash is simply renewed again next interval
-                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             count = conn.execute(
                 update(w)
                 .where(w.c.id == worker_id, w.c.stopped_at.is_(None))
@@ -55,7 +52,7 @@ class WorkersMixin(StoreBase):
             ).rowcount
             return bool(count)
 
-        return self._tx(op)
+        return self._tx(op, single=True)
 
     def reactivate_worker(self, worker_id: str) -> None:
         """Mark this incarnation alive again (it was marked stopped while it still ran)."""
