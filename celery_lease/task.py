@@ -242,6 +242,12 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             raise ConfigurationError(f"task {self.name}: a delivery without a task id")
         claim = store.claim(task_id, inc.id, inc.actor, adopt=adopt)
         if isinstance(claim, Refusal):
+            if claim.early:
+                from .reaper import Reaper
+
+                Reaper(self.app, actor=inc.actor, store=store).publish(
+                    store.take_pending([task_id])
+                )
             logger.info(
                 "task %s[%s]: delivery dropped without running (%s)", self.name, req.id, claim.why
             )

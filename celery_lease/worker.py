@@ -22,7 +22,7 @@ from celery.worker.request import Request
 
 from . import config as _config
 from ._runtime import Incarnation, Runtime, runtime
-from .exceptions import StoreError
+from .exceptions import CeleryLeaseError, StoreError
 from .heartbeat import Heartbeat
 from .reaper import Reaper
 
@@ -216,7 +216,12 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         rt = runtime(worker.app)
-        rt.service = WorkerService(rt, worker.hostname)
+        try:
+            rt.service = WorkerService(rt, worker.hostname)
+        except CeleryLeaseError as error:
+            # refuse to start rather than run tasks without leases
+            logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)
+            raise SystemExit(78) from error  # EX_CONFIG
         self.service = rt.service
 
     def start(self, worker: Any) -> None:

@@ -220,10 +220,14 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 cancel_requested=r.cancel_requested_at is not None,
             )
 
+        # a message that arrives before its ETA by database time (a worker whose clock
+        # runs ahead) is not claimed: it is published again with the remaining delay
+        due = or_(t.c.eta.is_(None), t.c.eta <= db_now())
+
         def fast(conn: Connection, _: bool) -> Claim | None:
             rows = self._move(
                 conn,
-                [t.c.id == task_id],
+                [t.c.id == task_id, due],
                 State.PENDING,
                 State.RUNNING,
                 reason=f"claimed by {actor}",
@@ -236,7 +240,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         def op(conn: Connection, is_retry: bool) -> Claim | Refusal:
             rows = self._move(
                 conn,
-                [t.c.id == task_id],
+                [t.c.id == task_id, due],
                 State.PENDING,
                 State.RUNNING,
                 reason=f"claimed by {actor}",
@@ -246,7 +250,11 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             )
             adopted = False
             if not rows:
-                row = conn.execute(select(t.c.state, t.c.token).where(t.c.id == task_id)).first()
+                row = conn.execute(
+                    select(t.c.state, t.c.token, ~due.self_group()).where(t.c.id == task_id)
+                ).first()
+                if row is not None and row.state == State.PENDING.value and row[2]:
+                    return Refusal(task_id, State.PENDING, "arrived before its ETA", early=True)
                 if row is None and adopt is not None:
                     self._adopt(conn, adopt)
                     adopted = True

@@ -56,6 +56,8 @@ class Refusal:
     task_id: str
     state: State | None
     why: str
+    #: The row is PENDING but its ETA (database time) has not come: publish it again.
+    early: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
