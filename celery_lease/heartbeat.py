@@ -65,7 +65,8 @@ class Heartbeat(threading.Thread):
             renewed = self.store.renew(inc.id)
             if not renewed:
                 # someone marked this incarnation stopped (a restart under the same node
-                # name elsewhere, or an operator): its leases were expired; start anew
+                # name elsewhere, or an operator): its leases were expired; fence what
+                # still runs here and carry on heartbeating for new work
                 logger.error(
                     "worker %s: incarnation %s was marked stopped by someone else "
                     "(duplicate node name?); re-registering",
@@ -73,7 +74,6 @@ class Heartbeat(threading.Thread):
                     inc.id,
                 )
                 inc.flags.fenced = True
-                self.store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid)
                 self.store.reactivate_worker(inc.id)
         except StoreError as error:
             logger.warning("worker %s: heartbeat failed: %s", inc.nodename, error)

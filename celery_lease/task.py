@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -236,7 +237,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             )
         store = rt.store
         opts = self.lease_options(rt.config)
-        adopt = self._adoption(req, args, kwargs, opts)
+        adopt = functools.partial(self._adoption, req, args, kwargs, opts)
         task_id = req.id
         if not task_id:
             raise ConfigurationError(f"task {self.name}: a delivery without a task id")

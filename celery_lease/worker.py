@@ -251,9 +251,16 @@ def _on_task_revoked(
     if request is None or not getattr(task, "Request", "").startswith("celery_lease."):
         return
     rt = runtime(task.app)
-    if rt.service is None or terminated:
-        return  # a terminated child is handled as a lost child by LeasedRequest
-    reason = "expired before it ran (expires option)" if expired else "revoked before it ran"
+    if rt.service is None:
+        return
+    if terminated:
+        # recorded as a cancel request before the child's death is handled as a lost
+        # child (same queue, in order): the expiry then ends CANCELLED, not a retry
+        reason = "revoked with terminate"
+    elif expired:
+        reason = "expired before it ran (expires option)"
+    else:
+        reason = "revoked before it ran"
     rt.service.revoked(request.id, reason)
 
 

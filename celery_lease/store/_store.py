@@ -8,7 +8,7 @@ rows, in one transaction. Zero rows updated is a result the caller handles.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -194,10 +194,15 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
     # -- worker: claim and outcome ----------------------------------------------------
 
     def claim(
-        self, task_id: str, owner: str, actor: str, adopt: NewTask | None = None
+        self,
+        task_id: str,
+        owner: str,
+        actor: str,
+        adopt: NewTask | Callable[[], NewTask] | None = None,
     ) -> Claim | Refusal:
         """Compare-and-set PENDING -> RUNNING (attempt += 1). A delivery without a row is
-        adopted when ``adopt`` describes it; anything else is refused."""
+        adopted when ``adopt`` describes it (or builds it: only called when needed);
+        anything else is refused."""
         t = self.t.tasks
         token = uuid.uuid4().hex
         claim_values = {
@@ -256,7 +261,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 if row is not None and row.state == State.PENDING.value and row[2]:
                     return Refusal(task_id, State.PENDING, "arrived before its ETA", early=True)
                 if row is None and adopt is not None:
-                    self._adopt(conn, adopt)
+                    self._adopt(conn, adopt() if callable(adopt) else adopt)
                     adopted = True
                     rows = self._move(
                         conn,
