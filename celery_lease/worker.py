@@ -68,6 +68,19 @@ def _add_beat_entry(app: Celery) -> None:
         )
 
 
+def _shortest_ttl(rt: Runtime) -> float:
+    """The shortest lease TTL among the app's leased tasks: after that long without a
+    heartbeat some lease may already have been taken over, so the worker self-fences."""
+    from .task import LeasedTask
+
+    ttls = [rt.config.ttl]
+    for task in rt.app.tasks.values():
+        ttl = getattr(task, "lease_ttl", None)
+        if isinstance(task, LeasedTask) and ttl is not None:
+            ttls.append(float(ttl))
+    return min(ttls)
+
+
 class WorkerService:
     """Everything celery-lease runs in a worker's main process."""
 
@@ -86,7 +99,7 @@ class WorkerService:
             store,
             inc,
             interval=cfg.heartbeat_interval,
-            ttl=cfg.ttl,
+            ttl=_shortest_ttl(rt),
             on_recovered=self._expire_own,
         )
         self._thread = threading.Thread(target=self._loop, name="celery-lease-reaper", daemon=True)
