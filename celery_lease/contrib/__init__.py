@@ -1,0 +1,1 @@
+"""Integrations with frameworks and tools around Celery."""
