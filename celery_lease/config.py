@@ -93,6 +93,10 @@ class LeaseConfig:
         }.items():
             if ovalue is not None and not ovalue > 0:
                 raise ConfigurationError(f"{key} must be positive or None, got {ovalue!r}")
+        if self.schema is not None and self.database_url.startswith("sqlite"):
+            raise ConfigurationError(
+                "lease_schema is for PostgreSQL only; on SQLite use lease_table_prefix"
+            )
         if not self.table_prefix.replace("_", "").isalnum():
             raise ConfigurationError(
                 "lease_table_prefix must be letters, digits and underscores, "
