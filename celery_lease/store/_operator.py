@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, delete, func, or_, select, update
+from sqlalchemy import Connection, Row, and_, delete, func, literal_column, or_, select, update
 
 from .. import states
 from ..exceptions import TaskNotFound
@@ -14,6 +14,20 @@ from ..records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord, lo
 from ..states import State
 from ._base import StoreBase
 from ._sql import after, db_now, seconds_between
+
+#: What a person may do, by target state (the rest of the table belongs to machines).
+OPERATOR_SOURCES: dict[State, tuple[State, ...]] = {
+    State.PENDING: (State.WAIT_MANUAL, State.FAILED, State.TIMEOUT),
+    State.FAILED: (State.WAIT_MANUAL,),
+    State.SUCCEEDED: (State.WAIT_MANUAL,),
+    State.CANCELLED: (
+        State.PENDING,
+        State.RETRY_WAIT,
+        State.TIMEOUT,
+        State.WAIT_MANUAL,
+        State.FAILED,
+    ),
+}
 
 
 class OperatorMixin(StoreBase):
@@ -121,7 +135,10 @@ class OperatorMixin(StoreBase):
         s = self.t.steps
         rows = self._read(
             lambda conn: conn.execute(
-                select(s).where(s.c.task_id == task_id).order_by(s.c.started_at, s.c.name)
+                select(s)
+                .where(s.c.task_id == task_id)
+                # SQLite's clock ticks in milliseconds: insertion order breaks ties
+                .order_by(s.c.started_at, literal_column("rowid") if not self.is_pg else s.c.name)
             ).all()
         )
         return [
@@ -235,7 +252,8 @@ class OperatorMixin(StoreBase):
 
         def op(conn: Connection, _: bool) -> State:
             frm = self._lock_state(conn, task_id)
-            if (allowed is not None and frm not in allowed) or not states.is_legal(frm, to):
+            permitted = OPERATOR_SOURCES.get(to, ()) if allowed is None else allowed
+            if frm not in permitted or not states.is_legal(frm, to):
                 from ..exceptions import IllegalTransition
 
                 raise IllegalTransition(task_id, frm, to)
@@ -243,6 +261,7 @@ class OperatorMixin(StoreBase):
             values: dict[str, Any] = {"token": None}
             if to is State.PENDING:
                 values.update(
+                    publish_count=0,
                     published_at=None,
                     next_retry_at=None,
                     finished_at=None,

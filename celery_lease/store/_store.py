@@ -593,7 +593,8 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 State.PENDING,
                 reason="retry due: re-published",
                 actor=actor,
-                values={"published_at": None, "eta": None},
+                # a new run of the row: its lost-message backoff starts over
+                values={"published_at": None, "eta": None, "publish_count": 0},
                 returning=self._publishable_columns(),
             )
             return self._publishable(rows)
@@ -627,6 +628,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         # each re-publish of the same row waits twice as long (capped at 64x): a long
         # backlog, which looks like a lost message, is duplicated a few times, not flooded
         backoff = case(
+            (t.c.publish_count <= 1, literal(1)),
             (t.c.publish_count >= 7, literal(64)),
             else_=literal(1).op("<<")(t.c.publish_count - 1),
         )

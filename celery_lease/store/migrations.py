@@ -52,11 +52,12 @@ def current_version(conn: Connection, tables: Tables) -> int | None:
 def migrate(conn: Connection, tables: Tables) -> tuple[int | None, int]:
     """Apply every missing step inside the caller's transaction; return (before, after)."""
     schema = tables.version.schema
-    if schema is not None and conn.dialect.name == "postgresql":
-        conn.execute(CreateSchema(schema, if_not_exists=True))
     if conn.dialect.name == "postgresql":
-        # serialize concurrent migrators (two workers starting with auto-migrate)
+        # serialize concurrent migrators (two workers starting with auto-migrate); taken
+        # first because CREATE SCHEMA IF NOT EXISTS itself races under concurrency
         conn.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('celery_lease.migrate'))")
+        if schema is not None:
+            conn.execute(CreateSchema(schema, if_not_exists=True))
     tables.version.create(conn, checkfirst=True)
     before = current_version(conn, tables)
     for step in MIGRATIONS:

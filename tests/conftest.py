@@ -1,0 +1,398 @@
+"""Shared fixtures: real PostgreSQL/SQLite stores, real brokers, real worker processes.
+
+Backends
+    ``backend`` is parametrized ``sqlite`` / ``postgresql`` (the latter marked
+    ``postgres``), so ``-k sqlite`` or ``-m "not postgres"`` select one side.
+    ``lease_config(**overrides) -> LeaseConfig`` gives tables nobody else sees:
+    SQLite, a file in ``tmp_path``; PostgreSQL, a schema of its own (created by the
+    migration, dropped at teardown) in a database created for the test session.
+    ``store`` is a migrated :class:`~celery_lease.store.Store` on it whose audit trail
+    is checked at teardown; ``make_store(**overrides)`` makes more (disposed at teardown).
+
+Brokers
+    ``redis_url`` (db index 9, flushed before and after), ``amqp_url`` (RabbitMQ; the
+    test's queue is deleted after), ``broker_url`` parametrized over both, and
+    ``queue_name`` (unique per test).
+
+Workers
+    ``celery_project(source, ...) -> WorkerProject``; ``project.worker(...)`` starts a
+    real ``celery worker`` subprocess. Everything started is SIGKILLed at teardown, and
+    the tail of each worker's log is added to the report of a failing test.
+
+Override service addresses with ``CELERY_LEASE_TEST_PG_ADMIN_URL``,
+``CELERY_LEASE_TEST_REDIS_URL`` and ``CELERY_LEASE_TEST_AMQP_URL``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import settings as hypothesis_settings
+
+from celery_lease.config import LeaseConfig
+from celery_lease.store import Store
+
+from .helpers import (
+    EXTERNAL_ENV,
+    ExternalSystem,
+    ProcessRegistry,
+    WorkerProject,
+    check_audit,
+    lease_settings,
+)
+
+PG_ADMIN_URL = os.environ.get(
+    "CELERY_LEASE_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("CELERY_LEASE_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+AMQP_URL = os.environ.get("CELERY_LEASE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+#: Short timings for every test store (override per test through ``lease_config``).
+TEST_TIMINGS: dict[str, Any] = {
+    "ttl": 1.0,
+    "heartbeat_interval": 0.2,
+    "reaper_interval": 0.2,
+    "publish_grace": 0.5,
+    "republish_after": 2.0,
+}
+
+# shared CI machines are slow now and then: no per-example deadline
+hypothesis_settings.register_profile("celery_lease", deadline=None, max_examples=100)
+hypothesis_settings.load_profile("celery_lease")
+
+
+# -- teardown in a fixed order ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Harness:
+    """Everything one test started, torn down in a safe order: processes first (they
+    hold connections and locks), then engines, then schemas, queues and Redis keys."""
+
+    registry: ProcessRegistry = dataclasses.field(default_factory=ProcessRegistry)
+    stores: list[Store] = dataclasses.field(default_factory=list)
+    finalizers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+    def track(self, store: Store) -> Store:
+        self.stores.append(store)
+        return store
+
+    def close(self) -> None:
+        errors: list[BaseException] = []
+        steps: list[Callable[[], None]] = [self.registry.close]
+        steps += [s.dispose for s in self.stores]
+        steps += list(reversed(self.finalizers))
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # keep tearing down; report at the end
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+_HARNESS = pytest.StashKey[Harness]()
+
+
+@pytest.fixture(autouse=True)
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    h = Harness()
+    request.node.stash[_HARNESS] = h
+    yield h
+    h.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed:
+        h = item.stash.get(_HARNESS, None)
+        if h is not None and h.registry.workers:
+            report.sections.append(("celery worker logs (tail)", h.registry.failure_report()))
+    return report
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------
+
+
+def pg_execute(url: str, *statements: Any) -> None:
+    """Run statements in autocommit mode (CREATE/DROP DATABASE or SCHEMA)."""
+    import psycopg
+
+    with psycopg.connect(_libpq_url(url), autocommit=True, connect_timeout=5) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+def _libpq_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+_SESSION_DB_PREFIX = "celery_lease_test_"
+
+
+def _drop_stale_session_databases() -> None:
+    """Drop session databases left by test runs that were killed (their pid is gone)."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(_libpq_url(PG_ADMIN_URL), autocommit=True, connect_timeout=5) as conn:
+        names = [
+            row[0]
+            for row in conn.execute(
+                "SELECT datname FROM pg_database WHERE datname LIKE %s",
+                (_SESSION_DB_PREFIX + "%",),
+            )
+        ]
+        for name in names:
+            suffix = name.removeprefix(_SESSION_DB_PREFIX)
+            if suffix.isdigit() and not Path(f"/proc/{suffix}").exists():
+                conn.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL database created for this test session (dropped at its end)."""
+    import psycopg
+    from psycopg import sql
+    from sqlalchemy.engine import make_url
+
+    name = f"{_SESSION_DB_PREFIX}{os.getpid()}"
+    ident = sql.Identifier(name)
+    try:
+        _drop_stale_session_databases()
+        pg_execute(
+            PG_ADMIN_URL,
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident),
+            sql.SQL("CREATE DATABASE {}").format(ident),
+        )
+    except psycopg.OperationalError as exc:
+        pytest.fail(
+            f"PostgreSQL is not reachable at {make_url(PG_ADMIN_URL).render_as_string()}: {exc}\n"
+            "start it (.ci/run does) or deselect these tests with -m 'not postgres'",
+            pytrace=False,
+        )
+    yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    pg_execute(PG_ADMIN_URL, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+
+
+def drop_pg_schema(url: str, schema: str) -> None:
+    from psycopg import sql
+
+    pg_execute(
+        url,
+        "SET lock_timeout = '20s'",
+        sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)),
+    )
+
+
+# -- the store under test -----------------------------------------------------------------
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("sqlite", id="sqlite"),
+        pytest.param("postgresql", id="postgresql", marks=pytest.mark.postgres),
+    ]
+)
+def backend(request: pytest.FixtureRequest) -> str:
+    """``"sqlite"`` or ``"postgresql"``: every test using a store runs on both."""
+    return str(request.param)
+
+
+@pytest.fixture
+def store_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """The database URL of this test's store (SQLite: a file in ``tmp_path``)."""
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'lease.sqlite3'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+def store_schema(backend: str, store_url: str, harness: Harness) -> str | None:
+    """PostgreSQL: a schema name for this test alone (created by the migration, dropped
+    at teardown). SQLite: ``None``."""
+    if backend == "sqlite":
+        return None
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    harness.finalizers.append(lambda: drop_pg_schema(store_url, schema))
+    return schema
+
+
+class ConfigFactory:
+    """``make_config(**overrides) -> LeaseConfig`` for this test's isolated tables."""
+
+    def __init__(self, backend: str, url: str, schema: str | None) -> None:
+        self.backend = backend
+        self.url = url
+        self.schema = schema
+
+    @property
+    def is_pg(self) -> bool:
+        return self.backend == "postgresql"
+
+    def __call__(self, **overrides: Any) -> LeaseConfig:
+        values: dict[str, Any] = {**TEST_TIMINGS, "database_url": self.url, "schema": self.schema}
+        values.update(overrides)
+        return LeaseConfig(**values)
+
+
+@pytest.fixture
+def lease_config(backend: str, store_url: str, store_schema: str | None) -> ConfigFactory:
+    """Factory of :class:`LeaseConfig` for this test's tables, with short timings
+    (ttl 1.0, heartbeat 0.2, reaper 0.2, publish_grace 0.5, republish_after 2.0)."""
+    return ConfigFactory(backend, store_url, store_schema)
+
+
+@pytest.fixture
+def make_store(lease_config: ConfigFactory, harness: Harness) -> Iterator[Callable[..., Store]]:
+    """``make_store(migrate=True, **config_overrides) -> Store``, disposed at teardown.
+
+    At teardown (after every worker process is gone) the audit trail of every task in
+    each store that has tables is checked with :func:`tests.helpers.check_audit`.
+    """
+    made: list[Store] = []
+
+    def make(migrate: bool = True, **overrides: Any) -> Store:
+        store = harness.track(Store(lease_config(**overrides)))
+        made.append(store)
+        if migrate:
+            store.migrate()
+        return store
+
+    yield make
+    harness.registry.close()  # nothing may move rows while they are checked
+    checked: set[tuple[str, str | None, str]] = set()
+    for s in made:
+        key = (s.config.database_url, s.config.schema, s.config.table_prefix)
+        if key not in checked and s.schema_version() is not None:
+            checked.add(key)
+            check_audit(s)
+
+
+@pytest.fixture
+def store(make_store: Callable[..., Store]) -> Store:
+    """A migrated store (its audit trail is checked at teardown, see ``make_store``)."""
+    return make_store()
+
+
+# -- brokers ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def queue_name() -> str:
+    """A queue name no other test uses."""
+    return f"lease-test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def redis_url(harness: Harness) -> str:
+    """Redis db 9 (by default), flushed before and after the test."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5)
+    try:
+        client.flushdb()
+    except redis.ConnectionError as exc:
+        client.close()
+        pytest.fail(f"Redis is not reachable at {REDIS_URL}: {exc}", pytrace=False)
+
+    def flush() -> None:
+        try:
+            client.flushdb()
+        finally:
+            client.close()
+
+    harness.finalizers.append(flush)
+    return REDIS_URL
+
+
+@pytest.fixture
+def amqp_url(queue_name: str, harness: Harness) -> str:
+    """RabbitMQ; the test's queue (``queue_name``) is deleted after the test."""
+    from kombu import Connection
+
+    def connect() -> Any:
+        return Connection(AMQP_URL, connect_timeout=5)
+
+    try:
+        with connect() as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:
+        pytest.fail(f"RabbitMQ is not reachable at {AMQP_URL}: {exc}", pytrace=False)
+
+    def delete_queue() -> None:
+        with connect() as conn, contextlib.suppress(Exception):
+            conn.default_channel.queue_delete(queue_name)
+
+    harness.finalizers.append(delete_queue)
+    return AMQP_URL
+
+
+@pytest.fixture(params=["redis", "amqp"])
+def broker_url(request: pytest.FixtureRequest) -> str:
+    """Each real broker in turn (``redis_url``, then ``amqp_url``)."""
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+# -- external system and worker processes -------------------------------------------------
+
+
+@pytest.fixture
+def external(tmp_path: Path) -> ExternalSystem:
+    """The counting stub of an external system; workers of ``celery_project`` see it as
+    ``ExternalSystem.from_env()``."""
+    return ExternalSystem(tmp_path / "external.sqlite3")
+
+
+@pytest.fixture
+def celery_project(
+    tmp_path: Path,
+    harness: Harness,
+    external: ExternalSystem,
+    queue_name: str,
+    request: pytest.FixtureRequest,
+) -> Callable[..., WorkerProject]:
+    """``celery_project(source, *, broker_url=None, config=None, settings=None, env=None)``.
+
+    Writes a project module into ``tmp_path`` whose app uses ``broker_url`` (default:
+    ``redis_url``) and ``queue_name``, with ``lease_*`` settings from ``config`` (a
+    LeaseConfig) and then ``settings``, followed by ``source``. Workers get the
+    external stub's path in ``CELERY_LEASE_TEST_EXTERNAL``.
+    """
+    count = 0
+
+    def make(
+        source: str,
+        *,
+        broker_url: str | None = None,
+        config: LeaseConfig | None = None,
+        settings: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> WorkerProject:
+        nonlocal count
+        count += 1
+        merged: dict[str, Any] = lease_settings(config) if config is not None else {}
+        merged.update(settings or {})
+        return WorkerProject(
+            tmp_path / f"project{count}",
+            broker_url=broker_url or str(request.getfixturevalue("redis_url")),
+            queue=queue_name,
+            source=source,
+            settings=merged,
+            env={EXTERNAL_ENV: str(external.path), **(env or {})},
+            registry=harness.registry,
+        )
+
+    return make

@@ -1,0 +1,233 @@
+"""Migrations: an empty database migrated equals the table definitions; migrate is
+idempotent and safe to race; ``ensure_schema`` refuses an unmigrated PostgreSQL."""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, func, insert, inspect, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.schema import CreateSchema
+
+from celery_lease.exceptions import SchemaOutOfDate, StoreError
+from celery_lease.store import SCHEMA_VERSION, NewTask, build
+from celery_lease.store._sql import db_now
+
+from ..conftest import drop_pg_schema
+from ..helpers import migrate_in_process
+
+PREFIX = "lease_"
+
+
+def _engine(url: str) -> Engine:
+    url_obj = make_url(url)
+    if url_obj.drivername == "postgresql":
+        url_obj = url_obj.set(drivername="postgresql+psycopg")
+    return create_engine(url_obj)
+
+
+def schema_snapshot(engine: Engine, schema: str | None, prefix: str = PREFIX) -> dict[str, Any]:
+    """Tables, columns, keys and indexes as the database reports them (schema name masked)."""
+
+    def mask(value: Any) -> Any:
+        text = repr(value)
+        return re.sub(re.escape(schema), "<schema>", text) if schema else text
+
+    insp = inspect(engine)
+    out: dict[str, Any] = {}
+    for table in sorted(insp.get_table_names(schema=schema)):
+        if not table.startswith(prefix):
+            continue
+        columns = [
+            (
+                c["name"],
+                str(c["type"]),
+                c["nullable"],
+                mask(c.get("default")),
+                c.get("autoincrement"),
+            )
+            for c in insp.get_columns(table, schema=schema)
+        ]
+        indexes = sorted(
+            (
+                i["name"],
+                tuple(i["column_names"]),
+                bool(i["unique"]),
+                # partial-index predicates come back as SQL text (TextClause on SQLite)
+                mask({k: str(v) for k, v in sorted(i.get("dialect_options", {}).items())}),
+            )
+            for i in insp.get_indexes(table, schema=schema)
+        )
+        out[table] = {
+            "columns": columns,
+            "pk": insp.get_pk_constraint(table, schema=schema)["constrained_columns"],
+            "indexes": indexes,
+            "unique": sorted(mask(u) for u in insp.get_unique_constraints(table, schema=schema)),
+            "fks": sorted(mask(f) for f in insp.get_foreign_keys(table, schema=schema)),
+        }
+    return out
+
+
+@pytest.fixture
+def elsewhere(lease_config, harness, tmp_path):
+    """A second empty location on the same backend: (url, schema)."""
+    if lease_config.is_pg:
+        schema = f"t_{uuid.uuid4().hex[:12]}"
+        harness.finalizers.append(lambda: drop_pg_schema(lease_config.url, schema))
+        return lease_config.url, schema
+    return f"sqlite:///{tmp_path / 'create_all.sqlite3'}", None
+
+
+def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_store, elsewhere):
+    store = make_store(migrate=False)
+    assert store.migrate() == (None, SCHEMA_VERSION)
+
+    url, schema = elsewhere
+    engine = _engine(url)
+    try:
+        with engine.begin() as conn:
+            if schema is not None:
+                conn.execute(CreateSchema(schema))
+            build(PREFIX, schema).metadata.create_all(conn)
+        expected = schema_snapshot(engine, schema)
+    finally:
+        engine.dispose()
+
+    migrated = schema_snapshot(store.engine, store.config.schema)
+    assert set(expected) == {
+        f"{PREFIX}{name}"
+        for name in ("tasks", "transitions", "steps", "workers", "locks", "schema_version")
+    }
+    assert migrated == expected
+
+
+def test_migrate_is_idempotent(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    before = schema_snapshot(store.engine, store.config.schema)
+    assert store.migrate() == (SCHEMA_VERSION, SCHEMA_VERSION)
+    assert make_store(migrate=False).migrate() == (SCHEMA_VERSION, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == before
+    assert store.schema_version() == SCHEMA_VERSION
+    version = store.t.version
+    with store.engine.connect() as conn:
+        rows = conn.execute(select(version.c.version, version.c.description)).all()
+    assert [r.version for r in rows] == list(range(1, SCHEMA_VERSION + 1))
+    assert all(r.description for r in rows)
+
+
+def test_migrate_keeps_existing_rows(make_store):
+    store = make_store()
+    task = NewTask(
+        id="kept", name="t", args="[]", kwargs="{}", options="{}", lease_ttl=1.0, max_recoveries=1
+    )
+    store.submit(task)
+    store.migrate()
+    assert store.get("kept") is not None
+
+
+def test_concurrent_migrations_apply_each_step_once(make_store, lease_config, request):
+    store = make_store(migrate=False)
+    ctx = multiprocessing.get_context("spawn")
+    n = 3
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [
+        ctx.Process(target=migrate_in_process, args=(store.config, barrier, results))
+        for _ in range(n)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(30)
+    results.close()
+    results.join_thread()
+    assert all(p.exitcode == 0 for p in procs), outcomes
+    assert sorted(outcomes, key=repr) == sorted(
+        [(None, SCHEMA_VERSION)] + [(SCHEMA_VERSION, SCHEMA_VERSION)] * (n - 1), key=repr
+    )
+    with store.engine.connect() as conn:
+        assert (
+            conn.execute(select(func.count()).select_from(store.t.version)).scalar_one()
+            == SCHEMA_VERSION
+        )
+
+
+def test_table_prefixes_keep_apps_apart(make_store):
+    a = make_store(table_prefix="app_a_")
+    b = make_store(table_prefix="app_b_")
+    task = NewTask(
+        id="same-id",
+        name="t",
+        args="[]",
+        kwargs="{}",
+        options="{}",
+        lease_ttl=1.0,
+        max_recoveries=1,
+    )
+    assert a.submit(task) == ("same-id", True)
+    assert b.submit(task) == ("same-id", True)
+    assert b.get("same-id") is not None
+    names = inspect(a.engine).get_table_names(schema=a.config.schema)
+    assert {"app_a_tasks", "app_b_tasks"} <= set(names)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_ensure_schema_on_postgresql_without_tables_refuses(make_store):
+    store = make_store(migrate=False)
+    with pytest.raises(SchemaOutOfDate) as info:
+        store.ensure_schema()
+    assert isinstance(info.value, StoreError)
+    assert info.value.current is None and info.value.expected == SCHEMA_VERSION
+    assert "migrate" in str(info.value)
+    assert store.schema_version() is None  # nothing was created
+    assert inspect(store.engine).get_table_names(schema=store.config.schema) == []
+
+    make_store(migrate=False, auto_migrate=True).ensure_schema()
+    assert store.schema_version() == SCHEMA_VERSION
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_ensure_schema_argument_overrides_the_setting(make_store):
+    store = make_store(migrate=False, auto_migrate=False)
+    store.ensure_schema(auto_migrate=True)
+    assert store.schema_version() == SCHEMA_VERSION
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_schema_error_does_not_show_the_password(make_store, lease_config):
+    with_password = (
+        make_url(lease_config.url).set(password="s3cret-pw").render_as_string(hide_password=False)
+    )
+    store = make_store(migrate=False, database_url=with_password)
+    with pytest.raises(SchemaOutOfDate) as info:
+        store.ensure_schema()
+    assert "s3cret-pw" not in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_ensure_schema_creates_sqlite_tables(make_store):
+    store = make_store(migrate=False, auto_migrate=False)
+    store.ensure_schema()
+    assert store.schema_version() == SCHEMA_VERSION
+
+
+def test_a_newer_schema_is_refused_even_with_auto_migrate(make_store):
+    store = make_store()
+    with store.engine.begin() as conn:
+        conn.execute(
+            insert(store.t.version).values(
+                version=SCHEMA_VERSION + 1, description="future", applied_at=db_now()
+            )
+        )
+    fresh = make_store(migrate=False, auto_migrate=True)
+    with pytest.raises(SchemaOutOfDate) as info:
+        fresh.ensure_schema()
+    assert info.value.current == SCHEMA_VERSION + 1

@@ -1,0 +1,216 @@
+"""``lease_*`` settings: defaults, coercion from strings, validation errors naming the setting."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from celery import Celery
+from hypothesis import given
+from hypothesis import strategies as st
+
+from celery_lease import config
+from celery_lease.config import SETTINGS, LeaseConfig, from_mapping
+from celery_lease.exceptions import CeleryLeaseError, ConfigurationError
+
+
+@pytest.fixture(autouse=True)
+def _no_env_url(monkeypatch):
+    monkeypatch.delenv("CELERY_LEASE_DATABASE_URL", raising=False)
+
+
+#: The documented defaults (docs' settings reference must show the same values).
+DEFAULTS = {
+    "database_url": "sqlite:///celery-lease.sqlite3",
+    "table_prefix": "lease_",
+    "schema": None,
+    "ttl": 30.0,
+    "heartbeat_interval": 5.0,
+    "reaper_interval": 5.0,
+    "reaper_batch_size": 100,
+    "embedded_reaper": True,
+    "beat_reaper": True,
+    "republish_after": 60.0,
+    "publish_grace": 10.0,
+    "max_recoveries": 5,
+    "max_age": None,
+    "max_runtime": None,
+    "result_max_bytes": 65536,
+    "auto_migrate": False,
+    "pool_size": 5,
+    "sqlite_busy_timeout": 30.0,
+    "db_retries": 3,
+}
+
+
+def test_defaults():
+    assert dataclasses.asdict(LeaseConfig()) == DEFAULTS
+
+
+def test_empty_mapping_gives_the_defaults():
+    assert from_mapping({}) == LeaseConfig()
+
+
+def test_every_field_has_exactly_one_setting():
+    fields = {f.name for f in dataclasses.fields(LeaseConfig)}
+    assert {key.removeprefix("lease_") for key in SETTINGS} == fields
+    assert all(key.startswith("lease_") and key == key.lower() for key in SETTINGS)
+
+
+def test_read_from_a_celery_app_conf():
+    app = Celery("t", set_as_current=False)
+    app.conf.update(
+        lease_database_url="postgresql://u@h/db",
+        lease_schema="jobs",
+        lease_ttl=12,
+        lease_heartbeat_interval="1.5",
+        lease_embedded_reaper="off",
+        lease_max_runtime="600",
+    )
+    cfg = from_mapping(app.conf)
+    assert cfg.database_url == "postgresql://u@h/db"
+    assert cfg.schema == "jobs"
+    assert cfg.ttl == 12.0 and isinstance(cfg.ttl, float)
+    assert cfg.heartbeat_interval == 1.5
+    assert cfg.embedded_reaper is False
+    assert cfg.max_runtime == 600.0
+
+
+def test_coercion_from_strings():
+    cfg = from_mapping(
+        {
+            "lease_ttl": "0.75",
+            "lease_heartbeat_interval": "0.25",
+            "lease_reaper_batch_size": "17",
+            "lease_max_recoveries": "0",
+            "lease_auto_migrate": "yes",
+            "lease_beat_reaper": "0",
+            "lease_max_age": "3600.5",
+        }
+    )
+    assert cfg.ttl == 0.75 and cfg.heartbeat_interval == 0.25
+    assert cfg.reaper_batch_size == 17 and isinstance(cfg.reaper_batch_size, int)
+    assert cfg.max_recoveries == 0
+    assert cfg.auto_migrate is True and cfg.beat_reaper is False
+    assert cfg.max_age == 3600.5
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1", True),
+        ("TRUE", True),
+        (" on ", True),
+        ("Yes", True),
+        ("0", False),
+        ("false", False),
+        ("OFF", False),
+        ("no", False),
+    ],
+)
+def test_boolean_strings(text, expected):
+    assert from_mapping({"lease_auto_migrate": text}).auto_migrate is expected
+
+
+def test_fractional_seconds_are_accepted():
+    cfg = LeaseConfig(
+        ttl=0.5,
+        heartbeat_interval=0.1,
+        reaper_interval=0.05,
+        publish_grace=0.2,
+        republish_after=0.3,
+    )
+    assert (cfg.ttl, cfg.heartbeat_interval, cfg.reaper_interval) == (0.5, 0.1, 0.05)
+    assert (
+        from_mapping({"lease_ttl": 0.5, "lease_heartbeat_interval": "0.125"}).heartbeat_interval
+        == 0.125
+    )
+
+
+def test_none_values_mean_unset():
+    assert from_mapping({"lease_ttl": None, "lease_max_age": None}) == LeaseConfig()
+
+
+def test_environment_supplies_an_unset_database_url(monkeypatch):
+    monkeypatch.setenv("CELERY_LEASE_DATABASE_URL", "postgresql://env@h/db")
+    assert from_mapping({}).database_url == "postgresql://env@h/db"
+    explicit = from_mapping({"lease_database_url": "sqlite:///x.db"})
+    assert explicit.database_url == "sqlite:///x.db"
+
+
+def test_config_is_frozen():
+    cfg = LeaseConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ttl = 1.0  # type: ignore[misc]
+
+
+#: (setting, invalid value): each must raise ConfigurationError naming the setting.
+INVALID = [
+    ("lease_ttl", 0),
+    ("lease_ttl", -1.5),
+    ("lease_ttl", "nan"),
+    ("lease_heartbeat_interval", 0),
+    ("lease_reaper_interval", -0.1),
+    ("lease_republish_after", 0),
+    ("lease_publish_grace", -3),
+    ("lease_sqlite_busy_timeout", 0),
+    ("lease_reaper_batch_size", 0),
+    ("lease_result_max_bytes", 0),
+    ("lease_pool_size", 0),
+    ("lease_max_recoveries", -1),
+    ("lease_db_retries", -1),
+    ("lease_max_age", 0),
+    ("lease_max_runtime", -5),
+    ("lease_table_prefix", "bad-prefix;"),
+    ("lease_table_prefix", "has space_"),
+    # coercion errors
+    ("lease_ttl", "soon"),
+    ("lease_reaper_batch_size", "1.5"),
+    ("lease_max_recoveries", "many"),
+    ("lease_auto_migrate", "maybe"),
+    ("lease_ttl", True),
+    ("lease_pool_size", False),
+    ("lease_ttl", [1]),
+]
+
+
+@pytest.mark.parametrize(("setting", "value"), INVALID, ids=[f"{k}={v!r}" for k, v in INVALID])
+def test_invalid_setting_raises_configuration_error_naming_it(setting, value):
+    overrides = {setting: value}
+    if setting == "lease_ttl":
+        overrides["lease_heartbeat_interval"] = 0.01  # isolate the ttl check
+    with pytest.raises(ConfigurationError) as info:
+        from_mapping(overrides)
+    assert setting in str(info.value)
+    assert isinstance(info.value, CeleryLeaseError)
+
+
+@pytest.mark.parametrize(("ttl", "heartbeat"), [(1.0, 1.0), (1.0, 2.0), (0.5, 0.75)])
+def test_heartbeat_must_be_shorter_than_ttl(ttl, heartbeat):
+    with pytest.raises(ConfigurationError) as info:
+        LeaseConfig(ttl=ttl, heartbeat_interval=heartbeat)
+    assert "lease_heartbeat_interval" in str(info.value)
+    assert "lease_ttl" in str(info.value)
+
+
+@given(
+    ttl=st.floats(0.001, 1e6, allow_nan=False, allow_infinity=False),
+    ratio=st.floats(0.001, 0.999),
+)
+def test_any_positive_ttl_with_a_shorter_heartbeat_is_valid(ttl, ratio):
+    heartbeat = ttl * ratio
+    cfg = from_mapping({"lease_ttl": str(ttl), "lease_heartbeat_interval": repr(heartbeat)})
+    assert math.isclose(cfg.ttl, ttl) and cfg.heartbeat_interval < cfg.ttl
+
+
+@given(value=st.floats(allow_nan=True, allow_infinity=False).filter(lambda v: not v > 0))
+def test_non_positive_or_nan_seconds_are_rejected(value):
+    with pytest.raises(ConfigurationError, match="lease_publish_grace"):
+        LeaseConfig(publish_grace=value)
+
+
+def test_coerce_keeps_the_driver_error_as_cause():
+    with pytest.raises(ConfigurationError) as info:
+        config._coerce("lease_ttl", "x", float)
+    assert isinstance(info.value.__cause__, ValueError)
