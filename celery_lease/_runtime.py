@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from celery import Celery
 
 from . import config as _config
+from .notify import attach
 from .store import Store
 
 if TYPE_CHECKING:
@@ -84,6 +85,8 @@ class Runtime:
                 if self._store is None:
                     created = Store(self.config)
                     created.ensure_schema()
+                    # logs, result backend and Flower events for every transition it commits
+                    attach(self.app, created)
                     self._store = created
                     self._store_pid = os.getpid()
                 store = self._store

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery
+from sqlalchemy import func, select
 
 from ._execution import encode
 from ._runtime import default_actor, runtime
@@ -20,19 +22,43 @@ from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State
 from .store import Store
+from .store._sql import after, db_now, seconds_between
 
 #: States ``purge`` deletes by default: finished work nobody will act on.
 PURGEABLE_DEFAULT = (State.SUCCEEDED, State.CANCELLED)
+#: States ``purge`` may delete at all (FAILED only when asked for).
+PURGEABLE = frozenset({State.SUCCEEDED, State.CANCELLED, State.FAILED})
+#: Seconds of history ``stats()`` summarizes by default (run durations, rates).
+STATS_WINDOW = 3600.0
+#: Run durations read per ``stats()`` call at most (the most recent ones).
+_DURATION_SAMPLE = 10_000
+_FINISHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
+#: Where a person may fail or resolve a task (RUNNING -> FAILED/SUCCEEDED is the task's own).
+_DECIDABLE = (State.WAIT_MANUAL,)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
-    """A snapshot of the store (``admin(app).stats()``)."""
+    """A snapshot of the store (``admin(app).stats()``).
+
+    Durations and rates cover tasks that finished in the last ``window`` seconds;
+    a run's duration is ``finished_at - started_at`` of its last attempt.
+    """
 
     counts: dict[State, int]
     running: int
     expired_unreaped: int
     oldest_pending_age: float | None
+    #: Seconds of history the fields below summarize.
+    window: float = STATS_WINDOW
+    #: Tasks that reached SUCCEEDED, FAILED or CANCELLED within the window.
+    finished: int = 0
+    #: Median and 99th percentile run duration (seconds) of SUCCEEDED and FAILED tasks.
+    run_p50: float | None = None
+    run_p99: float | None = None
+    #: FAILED / finished and CANCELLED / finished within the window (``None``: none finished).
+    failure_rate: float | None = None
+    cancel_rate: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -40,7 +66,23 @@ class Stats:
             "running": self.running,
             "expired_unreaped": self.expired_unreaped,
             "oldest_pending_age": self.oldest_pending_age,
+            "window": self.window,
+            "finished": self.finished,
+            "run_p50": self.run_p50,
+            "run_p99": self.run_p99,
+            "failure_rate": self.failure_rate,
+            "cancel_rate": self.cancel_rate,
         }
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-quantile (0..1) of ``values`` by linear interpolation (``None`` if empty)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class Admin:
@@ -51,7 +93,12 @@ class Admin:
 
     @property
     def store(self) -> Store:
-        return runtime(self.app).store
+        store = runtime(self.app).store
+        # operator actions are transitions too: log them, tell the result backend and Flower
+        from .notify import attach
+
+        attach(self.app, store)
+        return store
 
     # -- reading ----------------------------------------------------------------------
 
@@ -84,60 +131,81 @@ class Admin:
         older_than: float | None = None,
         worker: str | None = None,
     ) -> list[TaskRecord]:
-        """Tasks, newest first, filtered by state, name, age in seconds and worker."""
+        """Tasks, newest first, filtered by state, name, age in seconds and worker
+        (node name or incarnation id)."""
         if limit < 1:
             raise ValueError("limit must be at least 1")
-        if state is not None:
-            try:
-                state = State(state.upper() if isinstance(state, str) else state)
-            except ValueError:
-                raise ValueError(
-                    f"unknown state {state!r}: one of {', '.join(s.value for s in State)}"
-                ) from None
+        if older_than is not None and older_than < 0:
+            raise ValueError("older_than must be a number of seconds >= 0")
         return self.store.list_tasks(
-            state=state, name=name, older_than=older_than, worker=worker, limit=limit
+            state=None if state is None else parse_state(state),
+            name=name,
+            older_than=older_than,
+            worker=worker,
+            limit=limit,
         )
 
     def workers(self) -> builtins.list[WorkerRecord]:
         """Worker incarnations, newest first, with liveness and tasks owned."""
         return self.store.workers()
 
-    def stats(self) -> Stats:
-        """Counts per state, RUNNING count, expired-but-unreaped count, oldest PENDING age."""
-        counts = self.store.counts()
+    def stats(self, window: float = STATS_WINDOW) -> Stats:
+        """Counts per state, RUNNING count, expired-but-unreaped count, oldest PENDING age,
+        and over the last ``window`` seconds: run-duration p50/p99, failure and cancel rates."""
+        if not window > 0:
+            raise ValueError("window must be a positive number of seconds")
+        store = self.store
+        counts = store.counts()
+        finished = _finished_counts(store, window)
+        total = sum(finished.values())
+        durations = _run_durations(store, window)
         return Stats(
             counts=counts,
             running=counts[State.RUNNING],
-            expired_unreaped=self.store.expired_unreaped(),
-            oldest_pending_age=self.store.oldest_pending_age(),
+            expired_unreaped=store.expired_unreaped(),
+            oldest_pending_age=store.oldest_pending_age(),
+            window=window,
+            finished=total,
+            run_p50=percentile(durations, 0.5),
+            run_p99=percentile(durations, 0.99),
+            failure_rate=finished[State.FAILED] / total if total else None,
+            cancel_rate=finished[State.CANCELLED] / total if total else None,
         )
 
     # -- acting -----------------------------------------------------------------------
 
     def reap(self) -> ReapReport:
         """Run one reaper sweep now."""
-        return Reaper(self.app, actor=f"admin:{default_actor()}").sweep()
+        return Reaper(self.app, actor=f"admin:{default_actor()}", store=self.store).sweep()
 
-    def retry(self, task_id: str, *, actor: str | None = None, reason: str | None = None) -> None:
-        """WAIT_MANUAL / FAILED / TIMEOUT -> PENDING, re-published. Completed steps are
-        kept, so the re-run resumes; a step whose outcome was unknown runs again."""
+    def retry(self, task_id: str, *, actor: str | None = None, reason: str | None = None) -> State:
+        """WAIT_MANUAL / FAILED / TIMEOUT -> PENDING, re-published; returns the state it
+        left. Completed steps are kept, so the re-run resumes; a step whose outcome was
+        unknown runs again."""
+        store = self.store
         record = self._require(task_id)
         if record.state in RETRYABLE and record.args is None:
             raise IllegalTransition(task_id, record.state, State.PENDING)
         who = actor or default_actor()
-        self.store.operator_move(
+        frm = store.operator_move(
             task_id,
             State.PENDING,
             actor=who,
             reason=reason or f"retried by {who}",
             allowed=tuple(RETRYABLE),
         )
-        Reaper(self.app, actor=f"admin:{who}").publish(self.store.take_pending([task_id]))
+        Reaper(self.app, actor=f"admin:{who}", store=store).publish(store.take_pending([task_id]))
+        return frm
 
-    def fail(self, task_id: str, *, actor: str | None = None, reason: str) -> None:
-        """WAIT_MANUAL -> FAILED: a person decided the task will not complete."""
-        self.store.operator_move(
-            task_id, State.FAILED, actor=actor or default_actor(), reason=reason
+    def fail(self, task_id: str, *, actor: str | None = None, reason: str) -> State:
+        """WAIT_MANUAL -> FAILED: a person decided the task will not complete. Returns the
+        state it left."""
+        return self.store.operator_move(
+            task_id,
+            State.FAILED,
+            actor=actor or default_actor(),
+            reason=_required(reason),
+            allowed=_DECIDABLE,
         )
 
     def resolve(
@@ -147,11 +215,17 @@ class Admin:
         actor: str | None = None,
         reason: str,
         result: Any = None,
-    ) -> None:
-        """WAIT_MANUAL -> SUCCEEDED: a person finished the work by hand."""
+    ) -> State:
+        """WAIT_MANUAL -> SUCCEEDED: a person finished the work by hand (``result`` is
+        stored as the task's result). Returns the state it left."""
         text = encode("resolve result", result)
-        self.store.operator_move(
-            task_id, State.SUCCEEDED, actor=actor or default_actor(), reason=reason, result=text
+        return self.store.operator_move(
+            task_id,
+            State.SUCCEEDED,
+            actor=actor or default_actor(),
+            reason=_required(reason),
+            result=text,
+            allowed=_DECIDABLE,
         )
 
     def cancel(
@@ -177,27 +251,107 @@ class Admin:
             self.app.control.revoke(task_id, terminate=True, signal="SIGKILL")
         return found
 
+    def purgeable(
+        self, *, older_than: float, states: Sequence[State | str] = PURGEABLE_DEFAULT
+    ) -> int:
+        """How many tasks :meth:`purge` would delete now with these arguments."""
+        chosen = _purge_states(older_than, states)
+        store = self.store
+        t = store.t.tasks
+        q = select(func.count()).where(
+            t.c.state.in_([s.value for s in chosen]),
+            after(func.coalesce(t.c.finished_at, t.c.updated_at), older_than) < db_now(),
+        )
+        return int(store._read(lambda conn: conn.execute(q).scalar_one()))
+
     def purge(
         self,
         *,
         older_than: float,
         states: Sequence[State | str] = PURGEABLE_DEFAULT,
         batch: int = 1000,
+        progress: Callable[[int], None] | None = None,
     ) -> int:
         """Delete terminal rows finished more than ``older_than`` seconds ago, with their
-        steps and audit rows, in batches; frees their dedup keys. Returns the count."""
-        chosen = [State(s) for s in states]
-        live = [s for s in chosen if s not in (State.SUCCEEDED, State.CANCELLED, State.FAILED)]
-        if live:
-            raise ValueError(
-                f"purge deletes finished tasks only, not {', '.join(s.value for s in live)}"
-            )
+        steps and audit rows, in batches (one short transaction each); frees their dedup
+        keys. ``progress(n)`` is called after each batch with its count. Returns the total."""
+        chosen = _purge_states(older_than, states)
+        if batch < 1:
+            raise ValueError("batch must be at least 1")
+        store = self.store
         total = 0
         while True:
-            n = self.store.purge(older_than=older_than, states_=chosen, batch=batch)
+            n = store.purge(older_than=older_than, states_=chosen, batch=batch)
             total += n
+            if progress is not None and n:
+                progress(n)
             if n < batch:
                 return total
+
+
+def parse_state(value: State | str) -> State:
+    """A :class:`State` from its name (any case); ``ValueError`` names the valid ones."""
+    if isinstance(value, State):
+        return value
+    try:
+        return State(value.strip().upper())
+    except ValueError:
+        raise ValueError(
+            f"unknown state {value!r}: one of {', '.join(s.value for s in State)}"
+        ) from None
+
+
+def _required(reason: str) -> str:
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("a reason is required: say why, it goes into the audit trail")
+    return reason
+
+
+def _purge_states(older_than: float, states: Sequence[State | str]) -> list[State]:
+    if older_than < 0:
+        raise ValueError("older_than must be a number of seconds >= 0")
+    chosen = [parse_state(s) for s in states]
+    if not chosen:
+        raise ValueError("purge needs at least one state")
+    live = [s for s in chosen if s not in PURGEABLE]
+    if live:
+        raise ValueError(
+            f"purge deletes finished tasks only, not {', '.join(s.value for s in live)}"
+        )
+    return chosen
+
+
+def _finished_counts(store: Store, window: float) -> dict[State, int]:
+    t = store.t.tasks
+    q = (
+        select(t.c.state, func.count())
+        .where(
+            t.c.state.in_([s.value for s in _FINISHED]),
+            t.c.finished_at >= after(db_now(), -window),
+        )
+        .group_by(t.c.state)
+    )
+    rows = store._read(lambda conn: conn.execute(q).all())
+    out = dict.fromkeys(_FINISHED, 0)
+    for state, count in rows:
+        out[State(state)] = int(count)
+    return out
+
+
+def _run_durations(store: Store, window: float) -> list[float]:
+    t = store.t.tasks
+    q = (
+        select(seconds_between(t.c.finished_at, t.c.started_at))
+        .where(
+            t.c.state.in_([State.SUCCEEDED.value, State.FAILED.value]),
+            t.c.finished_at >= after(db_now(), -window),
+            t.c.started_at.is_not(None),
+        )
+        .order_by(t.c.finished_at.desc())
+        .limit(_DURATION_SAMPLE)
+    )
+    rows = store._read(lambda conn: conn.execute(q).scalars().all())
+    return [max(0.0, float(v)) for v in rows if v is not None]
 
 
 def admin(app: Celery) -> Admin:
@@ -205,4 +359,14 @@ def admin(app: Celery) -> Admin:
     return Admin(app)
 
 
-__all__ = ["CANCELLABLE", "PURGEABLE_DEFAULT", "Admin", "Stats", "admin"]
+__all__ = [
+    "CANCELLABLE",
+    "PURGEABLE",
+    "PURGEABLE_DEFAULT",
+    "STATS_WINDOW",
+    "Admin",
+    "Stats",
+    "admin",
+    "parse_state",
+    "percentile",
+]

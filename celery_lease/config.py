@@ -58,6 +58,11 @@ class LeaseConfig:
     sqlite_busy_timeout: float = 30.0
     #: Backend statement retries for transient errors (connection lost) before giving up.
     db_retries: int = 3
+    #: Send Celery task events (task-timeout, task-wait-manual, ...) for the transitions
+    #: Celery cannot see, for Flower and ``celery events``.
+    send_events: bool = True
+    #: Write those transitions' states to the app's result backend, if it has one.
+    result_backend_sync: bool = True
 
     def __post_init__(self) -> None:
         positive = {
@@ -125,6 +130,8 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_pool_size": ("pool_size", int),
     "lease_sqlite_busy_timeout": ("sqlite_busy_timeout", float),
     "lease_db_retries": ("db_retries", int),
+    "lease_send_events": ("send_events", bool),
+    "lease_result_backend_sync": ("result_backend_sync", bool),
 }
 
 SETTINGS: tuple[str, ...] = tuple(_FIELDS)

@@ -289,18 +289,26 @@ class LeasedRequest(Request):
     ) -> Any:
         exc = exc_info.exception
         exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback wrapper
-        service = self._service()
-        if service is not None:
-            if isinstance(exc, WorkerLostError):
-                service.child_lost(self.id, f"pool child lost: {exc}")
-            elif isinstance(exc, (SystemExit, KeyboardInterrupt, Terminated)):
-                service.child_lost(self.id, f"pool child terminated: {exc!r}")
-        return super().on_failure(
-            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
-        )
+        lost = None
+        if isinstance(exc, WorkerLostError):
+            lost = f"pool child lost: {exc}"
+        elif isinstance(exc, (SystemExit, KeyboardInterrupt, Terminated)):
+            lost = f"pool child terminated: {exc!r}"
+        try:
+            return super().on_failure(
+                exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+            )
+        finally:
+            # after Celery wrote FAILURE to the result backend and sent task-failed: the
+            # lease's decision (TIMEOUT, then RETRY_WAIT or WAIT_MANUAL) must land after it
+            service = self._service()
+            if lost is not None and service is not None:
+                service.child_lost(self.id, lost)
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
-        service = self._service()
-        if not soft and service is not None:
-            service.child_lost(self.id, f"hard time limit ({timeout} s) exceeded")
-        return super().on_timeout(soft, timeout)
+        try:
+            return super().on_timeout(soft, timeout)
+        finally:
+            service = self._service()
+            if not soft and service is not None:  # after Celery's FAILURE, as above
+                service.child_lost(self.id, f"hard time limit ({timeout} s) exceeded")

@@ -128,7 +128,7 @@ class StoreBase:
 
     def _read(self, fn: Callable[[Connection], T]) -> T:
         def attempt(is_retry: bool) -> T:
-            with self.engine.connect() as conn:
+            with self.engine.connect().execution_options(lease_readonly=True) as conn:
                 return fn(conn)
 
         return _engine.retrying(attempt, retries=self.config.db_retries, url=self.url)

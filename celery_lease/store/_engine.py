@@ -103,9 +103,13 @@ def _sqlite(url: URL, config: LeaseConfig) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        # take the write lock up front: a deferred transaction that later writes
-        # can fail with SQLITE_BUSY without waiting for busy_timeout
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        if conn.get_execution_options().get("lease_readonly"):
+            # readers never take the write lock (WAL lets them run beside a writer)
+            conn.exec_driver_sql("BEGIN")
+        else:
+            # take the write lock up front: a deferred transaction that later writes
+            # can fail with SQLITE_BUSY without waiting for busy_timeout
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
 

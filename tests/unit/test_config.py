@@ -41,6 +41,8 @@ DEFAULTS = {
     "pool_size": 5,
     "sqlite_busy_timeout": 30.0,
     "db_retries": 3,
+    "send_events": True,
+    "result_backend_sync": True,
 }
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from django.core import checks
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
-
-from django.core import checks
 
 from ..._runtime import runtime
 from ...exceptions import CeleryLeaseError

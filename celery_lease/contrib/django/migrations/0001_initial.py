@@ -7,10 +7,11 @@ Table names follow ``CELERY_LEASE_TABLE_PREFIX`` / ``CELERY_LEASE_SCHEMA``, as t
 models' do, so the state always matches the models.
 """
 
-import celery_lease.contrib.django.fields
 import django.db.models.deletion
-from celery_lease.contrib.django import _conf, _migration
 from django.db import migrations, models
+
+import celery_lease.contrib.django.fields
+from celery_lease.contrib.django import _conf, _migration
 
 
 class Migration(migrations.Migration):

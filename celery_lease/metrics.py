@@ -1,0 +1,238 @@
+"""Prometheus metrics for the lease tables (``pip install 'celery-lease[prometheus]'``).
+
+Every figure is read from the database at scrape time, so any process can serve
+them (``celery -A proj lease metrics --port 9808``) and every worker's work counts:
+
+==============================================  =========  ==================================
+``celery_lease_up``                             gauge      1 if the lease database answered
+``celery_lease_tasks{state}``                   gauge      tasks per state
+``celery_lease_expired_unreaped``               gauge      RUNNING tasks whose lease expired
+                                                           but no reaper moved yet (zombies)
+``celery_lease_oldest_pending_age_seconds``     gauge      age of the oldest PENDING task
+``celery_lease_recoveries_total``               counter    lease expiries (RUNNING -> TIMEOUT)
+``celery_lease_transitions_total{from_state,    counter    audit rows by transition
+to_state}``
+``celery_lease_worker_heartbeat_age_seconds     gauge      seconds since each live (not
+{worker,hostname}``                                        stopped) incarnation's heartbeat
+``celery_lease_worker_alive{worker}``           gauge      1 while its heartbeat is within TTL
+``celery_lease_worker_running_tasks{worker}``   gauge      RUNNING tasks it owns
+==============================================  =========  ==================================
+
+The counters are read from the audit table incrementally: rows older than a settle
+time are folded into an in-memory total once, so ``lease purge`` deleting old audit
+rows never makes a counter go down; a restart of the serving process is an ordinary
+counter reset.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Connection, func, select
+
+from ._runtime import runtime
+from .exceptions import CeleryLeaseError, MissingDependencyError
+from .states import State
+from .store import Store
+from .store._sql import after, db_now
+
+logger = logging.getLogger("celery_lease.metrics")
+
+#: Audit rows younger than this (seconds) are counted afresh at every scrape: a
+#: transaction still open when a scrape reads cannot be skipped by the running total.
+SETTLE = 60.0
+
+_Pair = tuple[str, str]
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError as error:
+        raise MissingDependencyError("prometheus-client", "prometheus") from error
+    return prometheus_client
+
+
+class TransitionTotals:
+    """Monotonic transition counts read from the audit table, incrementally."""
+
+    def __init__(self, settle: float = SETTLE) -> None:
+        self.settle = settle
+        self._base: collections.Counter[_Pair] = collections.Counter()
+        self._base_id = 0
+        self._lock = threading.Lock()
+
+    def read(self, store: Store) -> dict[_Pair, int]:
+        """Totals by (from_state, to_state); a row's creation counts as from ``"none"``."""
+        tr = store.t.transitions
+        with self._lock:
+            base_id = self._base_id
+
+            def query(conn: Connection) -> tuple[int, list[Any], list[Any]]:
+                first_fresh = conn.execute(
+                    select(func.min(tr.c.id)).where(
+                        tr.c.id > base_id, tr.c.at >= after(db_now(), -self.settle)
+                    )
+                ).scalar()
+                if first_fresh is not None:
+                    upto = int(first_fresh) - 1
+                else:
+                    upto = int(conn.execute(select(func.max(tr.c.id))).scalar() or base_id)
+                pairs = (tr.c.from_state, tr.c.to_state)
+                folded = conn.execute(
+                    select(*pairs, func.count())
+                    .where(tr.c.id > base_id, tr.c.id <= upto)
+                    .group_by(*pairs)
+                ).all()
+                fresh = conn.execute(
+                    select(*pairs, func.count()).where(tr.c.id > upto).group_by(*pairs)
+                ).all()
+                return max(upto, base_id), list(folded), list(fresh)
+
+            upto, folded, fresh = store._read(query)
+            for frm, to, n in folded:
+                self._base[(frm or "none", to)] += int(n)
+            self._base_id = upto
+            totals = collections.Counter(self._base)
+        for frm, to, n in fresh:
+            totals[(frm or "none", to)] += int(n)
+        return dict(totals)
+
+
+class LeaseCollector:
+    """A ``prometheus_client`` collector reading the lease tables of ``app`` at each scrape."""
+
+    def __init__(self, app: Celery, store: Store | None = None, settle: float = SETTLE) -> None:
+        self.prom = _prometheus()
+        self.app = app
+        self._store = store
+        self.totals = TransitionTotals(settle)
+
+    @property
+    def store(self) -> Store:
+        return self._store if self._store is not None else runtime(self.app).store
+
+    def describe(self) -> list[Any]:
+        # nothing to describe up front: registering must not query the database
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        core = self.prom.metrics_core
+        started = time.monotonic()
+        up = core.GaugeMetricFamily(
+            "celery_lease_up", "1 if the lease database answered this scrape, else 0"
+        )
+        try:
+            families = list(self._families(core))
+        except CeleryLeaseError as error:
+            logger.warning("celery-lease metrics: lease database not read: %s", error)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+        took = core.GaugeMetricFamily(
+            "celery_lease_scrape_duration_seconds", "Seconds the lease queries of a scrape took"
+        )
+        took.add_metric([], time.monotonic() - started)
+        yield took
+
+    def _families(self, core: Any) -> Iterator[Any]:
+        store = self.store
+        counts = store.counts()
+        tasks = core.GaugeMetricFamily(
+            "celery_lease_tasks", "Leased tasks per state", labels=["state"]
+        )
+        for state in State:
+            tasks.add_metric([state.value], counts.get(state, 0))
+        yield tasks
+
+        expired = core.GaugeMetricFamily(
+            "celery_lease_expired_unreaped",
+            "RUNNING tasks whose lease expired but which no reaper has moved yet (zombies)",
+        )
+        expired.add_metric([], store.expired_unreaped())
+        yield expired
+
+        oldest = core.GaugeMetricFamily(
+            "celery_lease_oldest_pending_age_seconds",
+            "Seconds since the oldest PENDING task was submitted (0: none pending)",
+        )
+        oldest.add_metric([], store.oldest_pending_age() or 0.0)
+        yield oldest
+
+        totals = self.totals.read(store)
+        transitions = core.CounterMetricFamily(
+            "celery_lease_transitions",
+            "State changes recorded in the audit trail",
+            labels=["from_state", "to_state"],
+        )
+        for (frm, to), n in sorted(totals.items()):
+            transitions.add_metric([frm, to], n)
+        yield transitions
+        recoveries = core.CounterMetricFamily(
+            "celery_lease_recoveries", "Lease expiries (RUNNING -> TIMEOUT transitions)"
+        )
+        recoveries.add_metric([], totals.get((State.RUNNING.value, State.TIMEOUT.value), 0))
+        yield recoveries
+
+        now = store.now()
+        age = core.GaugeMetricFamily(
+            "celery_lease_worker_heartbeat_age_seconds",
+            "Seconds since each running (not stopped) worker incarnation renewed its heartbeat",
+            labels=["worker", "hostname"],
+        )
+        alive = core.GaugeMetricFamily(
+            "celery_lease_worker_alive",
+            "1 while a worker's heartbeat is younger than lease_ttl, else 0",
+            labels=["worker"],
+        )
+        running = core.GaugeMetricFamily(
+            "celery_lease_worker_running_tasks",
+            "RUNNING tasks owned by each worker",
+            labels=["worker"],
+        )
+        for w in store.workers():
+            if w.stopped_at is not None:
+                continue
+            age.add_metric(
+                [w.nodename, w.hostname], max(0.0, (now - w.heartbeat_at).total_seconds())
+            )
+            alive.add_metric([w.nodename], 1 if w.alive else 0)
+            running.add_metric([w.nodename], w.running)
+        yield age
+        yield alive
+        yield running
+
+
+def registry(app: Celery, store: Store | None = None, settle: float = SETTLE) -> Any:
+    """A ``prometheus_client.CollectorRegistry`` holding only the lease collector."""
+    prom = _prometheus()
+    reg = prom.CollectorRegistry(auto_describe=False)
+    reg.register(LeaseCollector(app, store, settle))
+    return reg
+
+
+def serve(
+    app: Celery,
+    port: int,
+    addr: str = "0.0.0.0",
+    store: Store | None = None,
+    settle: float = SETTLE,
+) -> Any:
+    """Serve ``/metrics`` on ``addr:port`` from a background thread; returns the server
+    (``server.shutdown()`` stops it; ``server.server_address`` says where it listens)."""
+    prom = _prometheus()
+    reg = registry(app, store, settle)
+    server, _thread = prom.start_http_server(port, addr=addr, registry=reg)
+    return server
+
+
+__all__ = ["SETTLE", "LeaseCollector", "TransitionTotals", "registry", "serve"]
