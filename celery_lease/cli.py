@@ -68,6 +68,11 @@ def _app(ctx: click.Context) -> Any:
     app = getattr(obj, "app", None)
     if app is None:
         raise click.UsageError("no Celery app: run as `celery -A proj lease ...`")
+    if not getattr(obj, "_lease_modules_imported", False):
+        # as `celery shell` does: fixups run (Django's sets Django up, so the Django app
+        # points the store at DATABASES) and the app's task modules are registered
+        app.loader.import_default_modules()
+        obj._lease_modules_imported = True
     return app
 
 

@@ -15,11 +15,6 @@ from tests.helpers import REPO_ROOT
 pytestmark = pytest.mark.postgres
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs celery_lease/cli.py to call app.loader.import_default_modules() (as "
-    "`celery shell` does) so Celery's Django fixup sets Django up before the store is used",
-)
 def test_lease_cli_uses_djangos_database(django_project: Any, tmp_path):
     from django.db import connection
 

@@ -28,11 +28,6 @@ def results(django_project: Any) -> Iterator[list[str]]:
     TaskResult.objects.filter(task_id__in=ids).delete()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs the result-backend sync (celery_lease/notify.py) attached to the store "
-    "the reaper uses; until it is, a reaper sweep does not write the result backend",
-)
 @pytest.mark.parametrize(
     ("inflight_step", "shown"),
     [(False, "TIMEOUT"), (True, "WAIT_MANUAL")],
