@@ -240,6 +240,15 @@ class LeaseStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         self.service.start()
 
+    def terminate(self, worker: Any) -> None:
+        """Cold shutdown. Celery sends no ``worker_shutdown`` then (only a warm shutdown
+        does), so record it here: the incarnation is marked stopped and the leases it
+        holds expire at once, before the pool kills the children running them."""
+        rt = runtime(worker.app)
+        if rt.service is not None and rt.incarnation is not None:
+            rt.service.shutdown("cold shutdown")
+            rt.service = None
+
 
 @signals.worker_shutdown.connect(weak=False)
 def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:

@@ -57,6 +57,8 @@ class StoreBase:
         self.t: Tables = build(config.table_prefix, config.schema)
         self.dialect = self.engine.dialect.name
         self.is_pg = self.dialect == "postgresql"
+        #: Keeps fork() out of SQLite transactions (see _engine.fork_guard).
+        self._fork_guard = _engine.fork_guard(self.engine)
         self._schema_checked = False
         #: Called after each commit with its transitions (logs, events, metrics, backends).
         self.listeners: list[Listener] = []
@@ -84,7 +86,7 @@ class StoreBase:
                     with self._autocommit.connect() as conn:
                         result = fn(conn, is_retry)
                 else:
-                    with self.engine.begin() as conn:
+                    with self._fork_guard, self.engine.begin() as conn:
                         result = fn(conn, is_retry)
             finally:
                 self._local.events = None
@@ -128,7 +130,10 @@ class StoreBase:
 
     def _read(self, fn: Callable[[Connection], T]) -> T:
         def attempt(is_retry: bool) -> T:
-            with self.engine.connect().execution_options(lease_readonly=True) as conn:
+            with (
+                self._fork_guard,
+                self.engine.connect().execution_options(lease_readonly=True) as conn,
+            ):
                 return fn(conn)
 
         return _engine.retrying(attempt, retries=self.config.db_retries, url=self.url)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import threading
 import time
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -68,12 +71,30 @@ def create(config: LeaseConfig) -> Engine:
             )
         except ImportError as error:
             raise MissingDependencyError(url.get_driver_name(), "postgres") from error
+        _bound_stalled_transactions(engine, config)
     else:
         raise ConfigurationError(
             f"lease_database_url {safe_url(url)}: only sqlite and postgresql are supported"
         )
     _dispose_after_fork(engine)
     return engine
+
+
+def _bound_stalled_transactions(engine: Engine, config: LeaseConfig) -> None:
+    """Let PostgreSQL end a session that stays idle inside a transaction for a whole TTL.
+
+    The store's transactions are a few statements issued back to back; one left open
+    means its process was frozen (SIGSTOP, a paused VM) or hung between two statements.
+    The row locks it holds (the reaper lock's row, a task row) would otherwise block
+    every other worker's reaper for as long as the freeze lasts.
+    """
+    timeout_ms = max(1000, int(config.ttl * 1000))
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, record: Any) -> None:
+        with dbapi_conn.cursor() as cur:
+            cur.execute(f"SET idle_in_transaction_session_timeout = {timeout_ms}")
+        dbapi_conn.commit()
 
 
 def _sqlite(url: URL, config: LeaseConfig) -> Engine:
@@ -112,6 +133,28 @@ def _sqlite(url: URL, config: LeaseConfig) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+#: Held by every SQLite transaction of this process, and by ``fork()`` while it runs.
+#: SQLite keeps the lock state of a database file in process memory shared by all
+#: connections to that file; a child forked while a thread of the parent is inside a
+#: transaction (the heartbeat, the embedded reaper, the fast path that handles the very
+#: child death that makes billiard fork a replacement) inherits "the write lock is held
+#: here" and waits on it forever: its first BEGIN IMMEDIATE never succeeds.
+_SQLITE_FORK_LOCK = threading.RLock()
+os.register_at_fork(
+    before=_SQLITE_FORK_LOCK.acquire,
+    after_in_parent=_SQLITE_FORK_LOCK.release,
+    after_in_child=_SQLITE_FORK_LOCK.release,
+)
+
+
+def fork_guard(engine: Engine) -> AbstractContextManager[Any]:
+    """What a transaction on ``engine`` holds so that no ``fork()`` happens inside it
+    (SQLite only; PostgreSQL connections keep no lock state in the process)."""
+    if engine.dialect.name == "sqlite":
+        return _SQLITE_FORK_LOCK
+    return contextlib.nullcontext()
 
 
 def _dispose_after_fork(engine: Engine) -> None:

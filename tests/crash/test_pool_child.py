@@ -1,0 +1,128 @@
+"""Crash-point matrix rows 3 and 16: a pool child dies while it runs a task.
+
+The worker's main process sees the child die (WorkerLostError) and expires the lease at
+once, without waiting for the TTL: the tasks here have ``lease_ttl=60``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from celery_lease import State
+from celery_lease.store import Store
+
+from .support import LeaseEnv, Stopwatch, released, report
+
+RECOVERED = [
+    (None, "PENDING"),
+    ("PENDING", "RUNNING"),
+    ("RUNNING", "TIMEOUT"),
+    ("TIMEOUT", "RETRY_WAIT"),
+    ("RETRY_WAIT", "PENDING"),
+    ("PENDING", "RUNNING"),
+    ("RUNNING", "SUCCEEDED"),
+]
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [
+        pytest.param("redis", "postgresql", id="redis-postgresql", marks=pytest.mark.postgres),
+        pytest.param("amqp", "sqlite", id="amqp-sqlite"),
+    ],
+    indirect=True,
+)
+def test_sigkill_of_a_pool_child_expires_at_once_and_reruns_once(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    p = lease_env.project(broker_url=broker_url)
+    worker = p.worker(concurrency=1)
+    main_pid = worker.pid
+    ext = lease_env.external
+    gate = p.gates.hold("gate")
+    with released(p.gates, gate):
+        task_id = p.submit("t.long_lease", "k", gate)  # lease_ttl=60: only the fast path
+        p.wait_count("start:k", 1)
+        (first,) = ext.effects("start:k")
+        assert first.pid in worker.children()
+
+        os.kill(first.pid, signal.SIGKILL)
+        clock = Stopwatch()
+        p.gates.release(gate)
+        # Celery notices a dead child at once or at its next pool check (up to 5 s)
+        worker.wait_log(r"exited with 'signal 9 \(SIGKILL\)'", timeout=20)
+        noticed = clock.lap()
+        p.wait_count("start:k", 2, timeout=15)
+        rerun = clock.lap()
+        report("SIGKILLed pool child -> Celery noticed (WorkerLostError)", noticed)
+        report("SIGKILLed pool child -> re-run started", rerun)
+        report("  of which celery-lease (noticed -> re-run started)", rerun - noticed)
+
+    rec = p.wait_state(task_id, State.SUCCEEDED)
+    report("SIGKILLed pool child -> SUCCEEDED", clock.lap())
+    assert ext.count("done:k") == 1 and ext.count("start:k") == 2
+    assert rec.attempt == 2 and rec.recoveries == 1 and rec.retries == 0
+    assert rec.owner == p.incarnation(worker) and worker.pid == main_pid
+    assert p.trail(task_id) == RECOVERED
+    timeout = p.store.history(task_id)[2]
+    assert timeout.actor == "worker:w1@lease-test" and timeout.attempt == 1
+    assert timeout.reason is not None and "pool child lost" in timeout.reason
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
+)
+def test_task_killing_its_child_every_time_goes_to_wait_manual(lease_env: LeaseEnv) -> None:
+    p = lease_env.project()  # redis
+    p.worker(concurrency=1)
+    task_id = p.submit("t.poison", "k")  # os._exit(1) in the body; max_recoveries=2
+
+    rec = p.wait_state(task_id, State.WAIT_MANUAL, timeout=30)
+    assert rec.recoveries == 3 and rec.attempt == 3
+    assert rec.reason is not None
+    assert "poison task: lease expired 3 times (max_recoveries=2)" in rec.reason
+    trail = p.trail(task_id)
+    assert trail.count(("RUNNING", "TIMEOUT")) == 3
+    assert trail[-2:] == [("RUNNING", "TIMEOUT"), ("TIMEOUT", "WAIT_MANUAL")]
+
+    # never around the loop again: the worker keeps serving, the poison stays parked
+    p.drain()
+    assert lease_env.external.count("start:k") == 3
+    assert p.get(task_id).state is State.WAIT_MANUAL
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads (3.12+)
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_sqlite_store_works_in_a_child_forked_during_a_transaction(
+    make_store: Callable[..., Store],
+) -> None:
+    """What a prefork worker does when a child dies: the main process's fast path writes
+    (this thread's transaction) while billiard forks the replacement child (os.fork)."""
+    store = make_store(sqlite_busy_timeout=1.0, db_retries=0)
+    store.try_lock("warm-up", "parent", 5)  # the parent has pooled connections, like a worker
+    entered, release = threading.Event(), threading.Event()
+
+    def transaction(conn: object, is_retry: bool) -> None:
+        entered.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=store._tx, args=(transaction,))
+    thread.start()
+    assert entered.wait(10)
+    threading.Timer(0.3, release.set).start()  # the parent commits soon after the fork
+    pid = os.fork()
+    if pid == 0:  # the child: one write, as a claim would do
+        code = 1
+        try:
+            store.try_lock("child", "child", 5)
+            code = 0
+        finally:
+            os._exit(code)
+    thread.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child could not write (database is locked)"

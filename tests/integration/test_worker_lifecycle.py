@@ -1,0 +1,138 @@
+"""Issue 2, core lease lifecycle, in real ``celery worker`` subprocesses.
+
+Every outcome a task can have (success, exception, ``self.retry()``, ``autoretry_for``
+with backoff, retries exhausted, a result that cannot be stored) on each broker
+(Redis, RabbitMQ) and each store (SQLite, PostgreSQL): the full cross product, one
+worker per combination running every kind of task at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_lease import State
+
+from ..crash.support import CLEAN_RUN, LeasedProject, LeaseEnv
+from ..helpers import ExternalSystem
+
+MATRIX = pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [
+        pytest.param("redis", "sqlite", id="redis-sqlite"),
+        pytest.param("redis", "postgresql", id="redis-postgresql", marks=pytest.mark.postgres),
+        pytest.param("amqp", "sqlite", id="amqp-sqlite"),
+        pytest.param("amqp", "postgresql", id="amqp-postgresql", marks=pytest.mark.postgres),
+    ],
+    indirect=True,
+)
+
+
+@pytest.fixture
+def lease_env(
+    celery_project: Callable[..., Any],
+    lease_config: Callable[..., Any],
+    make_store: Callable[..., Any],
+    external: ExternalSystem,
+    harness: Any,
+    tmp_path: Path,
+) -> LeaseEnv:
+    return LeaseEnv(
+        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
+    )
+
+
+def retry_gaps(p: LeasedProject, task_id: str) -> list[float]:
+    """Database seconds between each RUNNING -> RETRY_WAIT and the re-publish that ended it."""
+    trail = p.store.history(task_id)
+    gaps = []
+    for i, row in enumerate(trail):
+        if row.to_state is State.RETRY_WAIT:
+            nxt = trail[i + 1]
+            assert (nxt.from_state, nxt.to_state) == (State.RETRY_WAIT, State.PENDING), nxt
+            assert nxt.actor.startswith("reaper:"), nxt
+            gaps.append((nxt.at - row.at).total_seconds())
+    return gaps
+
+
+@MATRIX
+def test_every_outcome_on_each_broker_and_store(lease_env: LeaseEnv, broker_url: str) -> None:
+    p = lease_env.project(broker_url=broker_url)
+    p.worker(concurrency=2)
+
+    ok = p.submit("t.add", 2, 3)
+    boom = p.submit("t.boom", "no luck")
+    retried = p.submit("t.retry_then_ok", 2)
+    auto = p.submit("t.autoretry", 2)
+    exhausted = p.submit("t.exhaust_fail")
+    manual = p.submit("t.exhaust_manual")
+    odd = p.submit("t.odd_result")
+    big = p.submit("t.big_result")
+
+    # success: the result is stored, the trail is the clean one
+    rec = p.wait_state(ok, State.SUCCEEDED)
+    assert rec.result == 5 and rec.error is None and rec.attempt == 1
+    assert rec.started_at is not None and rec.finished_at is not None
+    assert p.trail(ok) == CLEAN_RUN
+    assert [r.actor for r in p.store.history(ok)] == [
+        "producer",
+        "worker:w1@lease-test",
+        "worker:w1@lease-test",
+    ]
+
+    # exception: FAILED with its type and message, not retried
+    rec = p.wait_state(boom, State.FAILED)
+    assert rec.error == "ValueError: no luck" and rec.attempt == 1
+    assert p.trail(boom) == [(None, "PENDING"), ("PENDING", "RUNNING"), ("RUNNING", "FAILED")]
+
+    # self.retry(countdown=0.3) twice: RETRY_WAIT, re-published by the reaper when due
+    rec = p.wait_state(retried, State.SUCCEEDED)
+    assert rec.result == 2 and rec.retries == 2 and rec.attempt == 3 and rec.recoveries == 0
+    assert p.trail(retried) == [
+        (None, "PENDING"),
+        *[("PENDING", "RUNNING"), ("RUNNING", "RETRY_WAIT"), ("RETRY_WAIT", "PENDING")] * 2,
+        ("PENDING", "RUNNING"),
+        ("RUNNING", "SUCCEEDED"),
+    ]
+    assert all(gap >= 0.3 - 0.01 for gap in retry_gaps(p, retried))
+
+    # autoretry_for with retry_backoff (factor 1, no jitter): waits 1 s, then 2 s
+    rec = p.wait_state(auto, State.SUCCEEDED)
+    assert rec.result == "ok" and rec.retries == 2 and rec.attempt == 3
+    gaps = retry_gaps(p, auto)
+    assert len(gaps) == 2 and gaps[0] >= 1 - 0.01 and gaps[1] >= 2 - 0.01, gaps
+    # the delays Celery's backoff computed (1 s, then 2 s) are the ones recorded
+    delays = []
+    for row in p.store.history(auto):
+        if row.to_state is State.RETRY_WAIT:
+            found = re.search(r"in ([\d.]+) s", row.reason or "")
+            assert found is not None, row.reason
+            delays.append(float(found.group(1)))
+    assert delays == [1.0, 2.0]
+
+    # retries exhausted: FAILED (default) or WAIT_MANUAL (on_exhausted="manual")
+    rec = p.wait_state(exhausted, State.FAILED)
+    assert rec.attempt == 2 and rec.retries == 1 and rec.error == "Flaky: always"
+    assert p.trail(exhausted)[-1] == ("RUNNING", "FAILED")
+    rec = p.wait_state(manual, State.WAIT_MANUAL)
+    assert rec.attempt == 2 and rec.retries == 1 and rec.error == "Flaky: always"
+    assert rec.reason is not None and "retries exhausted" in rec.reason
+    assert p.trail(manual)[-1] == ("RUNNING", "WAIT_MANUAL")
+
+    # results that cannot be stored: SUCCEEDED, no result, a note saying why
+    for task_id in (odd, big):
+        rec = p.wait_state(task_id, State.SUCCEEDED)
+        assert rec.result is None and rec.attempt == 1
+        assert rec.reason is not None and "result not stored" in rec.reason, rec.reason
+        assert p.trail(task_id) == CLEAN_RUN
+
+    # each body ran exactly as often as its attempts say
+    ext = lease_env.external
+    assert ext.count("add") == 1 and ext.count("boom") == 1
+    assert ext.count("retry_then_ok") == 3 and ext.count("autoretry") == 3
+    assert ext.count("exhaust_fail") == 2 and ext.count("exhaust_manual") == 2
+    assert ext.count("odd_result") == 1 and ext.count("big_result") == 1
