@@ -6,6 +6,7 @@ tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
 from ._execution import DuplicateStep
+from ._outbox import outbox_transaction
 from .admin import Admin, Stats, admin
 from .exceptions import (
     CeleryLeaseError,
@@ -56,5 +57,6 @@ __all__ = [
     "__version__",
     "admin",
     "install",
+    "outbox_transaction",
     "reap",
 ]

@@ -271,6 +271,9 @@ class LeasedTask(Task):  # type: ignore[type-arg]
     ) -> Any:
         req = self.request
         try:
+            # a cancel requested before this attempt was claimed (while a retry waited)
+            # stops it before any of its code runs again
+            execution.boundary()
             retval = self.run(*args, **kwargs)
         except Retry:
             raise

@@ -88,14 +88,16 @@ class StepsMixin(StoreBase):
     def step_started(self, lease: Lease, name: str, *, checkable: bool) -> FenceResult | None:
         """Record that a non-idempotent step is about to call out (fenced).
 
-        ``None``: the lease is lost and nothing was written.
+        ``None``: the lease is lost and nothing was written. With a cancel requested
+        nothing is recorded either: the caller stops before calling out.
         """
         s = self.t.steps
 
         def op(conn: Connection, _: bool) -> FenceResult | None:
             fenced = self.fence(lease, conn)
-            if fenced is None:
-                return None
+            if fenced is None or fenced.cancel_requested:
+                # a STARTED row for a call never made would read "outcome unknown"
+                return fenced
             values: dict[str, Any] = {
                 "state": STARTED,
                 "idempotent": False,

@@ -474,6 +474,9 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             .where(
                 s.c.task_id == task_id,
                 s.c.state == "STARTED",
+                # only this attempt's calls can be in flight: a step left STARTED by an
+                # earlier attempt ended when its call raised and the task chose to retry
+                s.c.attempt == row.attempt,
                 s.c.idempotent.is_(False),
                 s.c.checkable.is_(False),
             )
