@@ -17,6 +17,7 @@ from typing import Any
 from celery import Celery, current_app, shared_task
 from kombu.exceptions import OperationalError as KombuOperationalError
 
+from ._crashpoints import crash_point
 from ._runtime import runtime
 from .states import State
 from .store import Expiry, Publishable, Store
@@ -71,6 +72,7 @@ class Reaper:
             report.add_expiries(expiries)
             if len(expiries) < batch:
                 break
+            crash_point("reaper_mid_sweep")
         for _ in range(MAX_BATCHES):
             moved = self.store.overrun(actor=self.actor)
             report.overrun += len(moved)

@@ -17,6 +17,7 @@ from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import policy
+from ._crashpoints import crash_point
 from ._execution import Execution, encode
 from ._runtime import runtime
 from .config import LeaseConfig
@@ -148,6 +149,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
                 self, rt, new, connection, args, kwargs, producer, link, link_error, shadow, options
             )
         tid, created = rt.store.submit(new)
+        crash_point("after_insert")
         if not created:
             logger.info("task %s[%s]: already submitted (dedup), nothing published", self.name, tid)
             return self.AsyncResult(tid)
@@ -215,6 +217,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         except Exception:
             rt.store.discard_unpublished(task_id)
             raise
+        crash_point("after_publish")
         try:
             rt.store.mark_published([task_id])
         except StoreError as error:
