@@ -315,6 +315,44 @@ def reap(ctx: click.Context, loop: bool, as_json: bool) -> None:
         time.sleep(interval)
 
 
+EXIT_VIOLATIONS = 5
+
+
+@lease.command()
+@click.option(
+    "--no-liveness",
+    is_flag=True,
+    help="Check safety invariants only (skip what a running reaper would have fixed).",
+)
+@click.option("--grace", type=float, help="Seconds allowed beyond each liveness deadline.")
+@json_option
+@click.pass_context
+@handle_errors
+def check(ctx: click.Context, no_liveness: bool, grace: float | None, as_json: bool) -> None:
+    """Scan the store for broken invariants; exit 5 if any is found."""
+    from .check import check as run_check
+    from .check import summarize
+
+    violations = run_check(_app(ctx), liveness=not no_liveness, grace=grace)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "counts": summarize(violations),
+                    "violations": [v.as_dict() for v in violations],
+                }
+            )
+        )
+    elif not violations:
+        click.echo("no violations")
+    else:
+        for violation in violations:
+            click.echo(str(violation))
+        click.echo(f"{len(violations)} violations")
+    if violations:
+        ctx.exit(EXIT_VIOLATIONS)
+
+
 # -- reading ------------------------------------------------------------------------------
 
 

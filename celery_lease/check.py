@@ -1,0 +1,475 @@
+"""The invariant checker: scan a store and report what the design says cannot happen.
+
+``check(app_or_store)`` returns a list of :class:`Violation` (empty when the store is
+consistent). The crash suite asserts it is empty at the end of every test; operators
+run it as ``celery -A proj lease check``.
+
+What it proves, and from what:
+
+* **Audit trail** (``transitions``): every row is a legal transition of
+  :data:`celery_lease.states.TRANSITIONS`; the first creates the task
+  (``None -> PENDING``); each starts where the previous one ended; attempts never go
+  back; each claim (``PENDING -> RUNNING``) has the next attempt number, exactly once;
+  the task's current state and attempt agree with its trail.
+* **Steps**: each recorded step was written by an attempt that held the lease at that
+  moment: the attempt has a claim in the trail, and the write's database time lies
+  inside that attempt's lease window (from its claim to the first transition that
+  took the lease away). A step written outside it is a write the fence should have
+  refused. Windows are compared in database time, and every transition that ends a
+  window takes the row lock after any fenced write it races with committed (PostgreSQL:
+  ``FOR UPDATE [SKIP LOCKED]`` before the change; SQLite: one writer at a time), so the
+  comparison is exact, not a heuristic.
+* **Non-idempotent steps**: a step that is not idempotent (and has no ``check=``),
+  recorded STARTED by attempt *a* and never finished, means the outcome of attempt
+  *a*'s call is unknown. A later claim without an operator retry in between (an
+  operator retry deletes such a row) is an automatic re-run after an unknown outcome.
+  What the trail cannot prove: a started step re-run by a later attempt overwrites
+  the row (attempt and start time), so an unsafe re-run that then *finished* leaves
+  no trace in the store; the crash suite counts those calls in its external stub.
+* **Liveness** (needs the reaper to run): RUNNING rows whose owner is dead, stopped
+  or silent for longer than the task's TTL plus ``grace``; PENDING rows never
+  published (or whose message was lost) past their window plus ``grace``; RETRY_WAIT
+  rows overdue by ``grace``; rows resting in TIMEOUT (a transient state).
+  ``grace`` defaults to one reaper interval.
+* **Shape**: a RUNNING row without a fencing token, a WAIT_MANUAL row without a
+  reason, audit rows or steps of a task that has no row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, case, func, literal, or_, select
+
+from .states import State, is_legal
+from .store import Store
+from .store._sql import after, db_now, greatest
+from .store._steps import DONE, STARTED
+
+#: Kind of violation -> what it means (the CLI prints these).
+KINDS: dict[str, str] = {
+    "illegal_transition": "an audit row the transition table does not allow",
+    "audit_gap": "an audit row that does not start where the previous one ended",
+    "bad_first_transition": "a trail that does not begin with the task's creation",
+    "missing_audit": "a task without audit rows",
+    "state_mismatch": "the task's state differs from its last audit row's to_state",
+    "attempt_regression": "an audit row whose attempt is lower than an earlier one",
+    "bad_claim": "a claim whose attempt is not the next one (duplicate or skipped)",
+    "attempt_mismatch": "the task's attempt differs from the number of claims in its trail",
+    "step_unclaimed_attempt": "a step written by an attempt that never claimed the task",
+    "step_outside_lease": "a step written outside its attempt's lease (the fence failed)",
+    "rerun_after_unknown_outcome": (
+        "a non-idempotent step's outcome was unknown, yet the task was claimed again "
+        "without an operator retry"
+    ),
+    "dead_owner": "RUNNING past its TTL with a dead, stopped or silent owner (reaper not running?)",
+    "running_without_token": "a RUNNING row without a fencing token",
+    "unpublished": "PENDING, never published, past lease_publish_grace (reaper not running?)",
+    "republish_overdue": "PENDING, published, unclaimed past its re-publish window",
+    "retry_overdue": "RETRY_WAIT past next_retry_at (reaper not running?)",
+    "stuck_timeout": "resting in TIMEOUT, which only exists inside an expiry",
+    "manual_without_reason": "WAIT_MANUAL without a reason for the person who must decide",
+    "orphan_audit": "audit rows of a task that has no row",
+    "orphan_step": "step rows of a task that has no row",
+}
+
+#: Slack for comparing database times that went through SQLite's REAL column.
+_EPSILON = timedelta(milliseconds=2)
+
+#: Tasks checked per round trip (bounded memory on a large store).
+_PAGE = 500
+
+#: States an operator may send back to PENDING (the transition's source).
+_OPERATOR_RETRY_SOURCES = frozenset({State.WAIT_MANUAL, State.FAILED, State.TIMEOUT})
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One broken invariant: its ``kind`` (a key of :data:`KINDS`), the task, the detail."""
+
+    kind: str
+    task_id: str | None
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.task_id or '-'}: {self.detail}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Audit:
+    id: int
+    frm: State | None
+    to: State
+    attempt: int
+    actor: str
+    at: datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    name: str
+    state: str
+    idempotent: bool
+    checkable: bool
+    attempt: int
+    started_at: datetime
+    finished_at: datetime | None
+
+
+def _store_of(target: Any) -> Store:
+    if isinstance(target, Store):
+        return target
+    from ._runtime import runtime
+
+    return runtime(target).store
+
+
+def check(
+    app_or_store: Any,
+    *,
+    task_ids: Iterable[str] | None = None,
+    grace: float | None = None,
+    liveness: bool = True,
+) -> list[Violation]:
+    """Scan the store of a Celery app (or a :class:`~celery_lease.store.Store`).
+
+    Args:
+        app_or_store: a Celery app using celery-lease, or a store.
+        task_ids: check only these tasks (default: every task, in pages).
+        grace: seconds allowed beyond each liveness deadline (default: one
+            ``lease_reaper_interval``; raise it when the reaper runs less often).
+        liveness: also report what only a running reaper would have fixed by now
+            (``dead_owner``, ``unpublished``, ``republish_overdue``, ``retry_overdue``,
+            ``stuck_timeout``). Safety invariants are always checked.
+
+    Returns:
+        The violations found, grouped by task; empty when everything holds.
+    """
+    store = _store_of(app_or_store)
+    slack = store.config.reaper_interval if grace is None else float(grace)
+    out: list[Violation] = []
+    if task_ids is not None:
+        wanted = list(dict.fromkeys(task_ids))
+        for start in range(0, len(wanted), _PAGE):
+            out.extend(_check_page(store, wanted[start : start + _PAGE], slack, liveness))
+        return out
+    for page in _pages(store):
+        out.extend(_check_page(store, page, slack, liveness))
+    out.extend(_orphans(store))
+    return out
+
+
+def _pages(store: Store) -> Iterator[list[str]]:
+    t = store.t.tasks
+    last: str | None = None
+    while True:
+        q = select(t.c.id).order_by(t.c.id).limit(_PAGE)
+        if last is not None:
+            q = q.where(t.c.id > last)
+        ids = _ids(store, q)
+        if not ids:
+            return
+        yield ids
+        last = ids[-1]
+
+
+def _ids(store: Store, query: Any) -> list[str]:
+    return [str(r) for r in store._read(lambda conn: conn.execute(query).scalars().all())]
+
+
+def _orphans(store: Store) -> list[Violation]:
+    t, tr, s = store.t.tasks, store.t.transitions, store.t.steps
+
+    def op(conn: Connection) -> list[Violation]:
+        found = []
+        for kind, table in (("orphan_audit", tr), ("orphan_step", s)):
+            q = (
+                select(table.c.task_id, func.count())
+                .where(~select(t.c.id).where(t.c.id == table.c.task_id).exists())
+                .group_by(table.c.task_id)
+            )
+            for task_id, count in conn.execute(q):
+                found.append(Violation(kind, str(task_id), f"{count} rows without a task row"))
+        return found
+
+    return store._read(op)
+
+
+def _check_page(store: Store, ids: Sequence[str], slack: float, liveness: bool) -> list[Violation]:
+    t, w, tr, s = store.t.tasks, store.t.workers, store.t.transitions, store.t.steps
+    cfg = store.config
+    now = db_now()
+    dead_owner = and_(
+        t.c.state == State.RUNNING.value,
+        or_(
+            and_(w.c.id.is_(None), after(t.c.updated_at, t.c.lease_ttl + slack) < now),
+            and_(w.c.stopped_at.is_not(None), after(w.c.stopped_at, slack) < now),
+            after(w.c.heartbeat_at, t.c.lease_ttl + slack) < now,
+        ),
+    )
+    unpublished = and_(
+        t.c.state == State.PENDING.value,
+        t.c.published_at.is_(None),
+        after(t.c.updated_at, cfg.publish_grace + slack) < now,
+    )
+    # the reaper's own window (store.take_unpublished): republish_after doubled per publish
+    backoff = case(
+        (t.c.publish_count >= 7, literal(64)),
+        (t.c.publish_count <= 1, literal(1)),
+        else_=literal(1).op("<<")(t.c.publish_count - 1),
+    )
+    republish_overdue = and_(
+        t.c.state == State.PENDING.value,
+        t.c.published_at.is_not(None),
+        after(
+            greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
+            literal(cfg.republish_after) * backoff + slack,
+        )
+        < now,
+    )
+    retry_overdue = and_(t.c.state == State.RETRY_WAIT.value, after(t.c.next_retry_at, slack) < now)
+    stuck_timeout = and_(t.c.state == State.TIMEOUT.value, after(t.c.updated_at, slack) < now)
+    task_q = (
+        select(
+            t.c.id,
+            t.c.state,
+            t.c.attempt,
+            t.c.token,
+            t.c.owner,
+            t.c.reason,
+            w.c.nodename,
+            dead_owner.label("dead_owner"),
+            unpublished.label("unpublished"),
+            republish_overdue.label("republish_overdue"),
+            retry_overdue.label("retry_overdue"),
+            stuck_timeout.label("stuck_timeout"),
+        )
+        .select_from(t.outerjoin(w, w.c.id == t.c.owner))
+        .where(t.c.id.in_(ids))
+    )
+    audit_q = select(tr).where(tr.c.task_id.in_(ids)).order_by(tr.c.task_id, tr.c.id)
+    step_q = select(s).where(s.c.task_id.in_(ids)).order_by(s.c.task_id, s.c.name)
+
+    def op(conn: Connection) -> tuple[list[Any], list[Any], list[Any]]:
+        # one snapshot for the page, so that a live system does not show a row newer
+        # than the trail read a moment before (SQLite: a transaction is a snapshot)
+        if store.is_pg:
+            conn.execution_options(isolation_level="REPEATABLE READ")
+        audits = list(conn.execute(audit_q))
+        steps = list(conn.execute(step_q))
+        tasks = list(conn.execute(task_q))
+        return tasks, audits, steps
+
+    tasks, audit_rows, step_rows = store._read(op)
+    trails: dict[str, list[_Audit]] = defaultdict(list)
+    for r in audit_rows:
+        trails[str(r.task_id)].append(
+            _Audit(
+                int(r.id),
+                State(r.from_state) if r.from_state else None,
+                State(r.to_state),
+                int(r.attempt),
+                str(r.actor),
+                r.at,
+            )
+        )
+    steps: dict[str, list[_Step]] = defaultdict(list)
+    for r in step_rows:
+        steps[str(r.task_id)].append(
+            _Step(
+                str(r.name),
+                str(r.state),
+                bool(r.idempotent),
+                bool(r.checkable),
+                int(r.attempt),
+                r.started_at,
+                r.finished_at,
+            )
+        )
+    out: list[Violation] = []
+    for row in tasks:
+        task_id = str(row.id)
+        state = State(row.state)
+        out.extend(_check_shape(task_id, state, row, liveness))
+        trail = trails.get(task_id, [])
+        out.extend(_check_trail(task_id, state, int(row.attempt), trail))
+        out.extend(_check_steps(task_id, trail, steps.get(task_id, [])))
+    return out
+
+
+def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterator[Violation]:
+    if state is State.RUNNING and not row.token:
+        yield Violation("running_without_token", task_id, "RUNNING with no fencing token")
+    if state is State.WAIT_MANUAL and not (row.reason or "").strip():
+        yield Violation("manual_without_reason", task_id, "WAIT_MANUAL with an empty reason")
+    if not liveness:
+        return
+    if row.dead_owner:
+        owner = f"{row.nodename or 'unknown node'} (incarnation {row.owner})"
+        yield Violation(
+            "dead_owner", task_id, f"RUNNING attempt {row.attempt}, owner {owner} is gone"
+        )
+    for kind in ("unpublished", "republish_overdue", "retry_overdue", "stuck_timeout"):
+        if getattr(row, kind):
+            yield Violation(kind, task_id, f"{state.value}: {KINDS[kind]}")
+
+
+def _check_trail(
+    task_id: str, state: State, attempt: int, trail: Sequence[_Audit]
+) -> Iterator[Violation]:
+    if not trail:
+        yield Violation("missing_audit", task_id, f"task is {state.value} but has no audit rows")
+        return
+    first = trail[0]
+    if first.frm is not None or first.to is not State.PENDING:
+        yield Violation(
+            "bad_first_transition", task_id, f"trail begins with {_name(first.frm)} -> {first.to}"
+        )
+    claims = 0
+    high = 0
+    previous: _Audit | None = None
+    for row in trail:
+        if not is_legal(row.frm, row.to):
+            yield Violation(
+                "illegal_transition",
+                task_id,
+                f"audit row {row.id}: {_name(row.frm)} -> {row.to.value} by {row.actor}",
+            )
+        if previous is not None and row.frm is not previous.to:
+            yield Violation(
+                "audit_gap",
+                task_id,
+                f"audit row {row.id} starts at {_name(row.frm)} but row {previous.id} "
+                f"ended at {previous.to.value}",
+            )
+        if row.attempt < high:
+            yield Violation(
+                "attempt_regression",
+                task_id,
+                f"audit row {row.id} has attempt {row.attempt} after attempt {high}",
+            )
+        if (row.frm, row.to) == (State.PENDING, State.RUNNING):
+            claims += 1
+            if row.attempt != claims:
+                yield Violation(
+                    "bad_claim",
+                    task_id,
+                    f"claim number {claims} (audit row {row.id}) has attempt {row.attempt}",
+                )
+        high = max(high, row.attempt)
+        previous = row
+    if trail[-1].to is not state:
+        yield Violation(
+            "state_mismatch",
+            task_id,
+            f"task is {state.value} but its last audit row says {trail[-1].to.value}",
+        )
+    if attempt != claims:
+        yield Violation(
+            "attempt_mismatch", task_id, f"task attempt {attempt} but {claims} claims audited"
+        )
+
+
+def _windows(trail: Sequence[_Audit]) -> dict[int, tuple[datetime, datetime | None, int]]:
+    """attempt -> (claimed at, lease taken away at or None, index of the ending row)."""
+    out: dict[int, tuple[datetime, datetime | None, int]] = {}
+    for i, row in enumerate(trail):
+        if (row.frm, row.to) != (State.PENDING, State.RUNNING):
+            continue
+        end: datetime | None = None
+        end_index = len(trail)
+        for j in range(i + 1, len(trail)):
+            nxt = trail[j]
+            # over max_runtime the owner keeps its token; it loses it on the next change
+            if (nxt.frm, nxt.to) == (State.RUNNING, State.WAIT_MANUAL):
+                continue
+            end, end_index = nxt.at, j
+            break
+        out.setdefault(row.attempt, (row.at, end, end_index))
+    return out
+
+
+def _check_steps(
+    task_id: str, trail: Sequence[_Audit], steps: Sequence[_Step]
+) -> Iterator[Violation]:
+    if not steps or not trail:
+        return
+    windows = _windows(trail)
+    for step in steps:
+        window = windows.get(step.attempt)
+        if window is None:
+            yield Violation(
+                "step_unclaimed_attempt",
+                task_id,
+                f"step {step.name!r} ({step.state}) written by attempt {step.attempt}, "
+                "which never claimed the task",
+            )
+            continue
+        start, end, end_index = window
+        written = step.finished_at if step.state == DONE and step.finished_at else step.started_at
+        if written < start - _EPSILON or (end is not None and written > end + _EPSILON):
+            yield Violation(
+                "step_outside_lease",
+                task_id,
+                f"step {step.name!r} ({step.state}) written by attempt {step.attempt} at "
+                f"{written.isoformat()}, outside its lease {start.isoformat()} .. "
+                f"{end.isoformat() if end else 'now'}",
+            )
+        if step.state == STARTED and not step.idempotent and not step.checkable:
+            yield from _check_unknown_outcome(task_id, trail, step, end_index)
+
+
+def _check_unknown_outcome(
+    task_id: str, trail: Sequence[_Audit], step: _Step, end_index: int
+) -> Iterator[Violation]:
+    """The step was in flight when attempt ``step.attempt`` lost its lease (its window
+    ended in TIMEOUT): the policy must hand the task to a person, and no later claim
+    may happen unless a person sent it back to PENDING first. (A window the task ended
+    itself, e.g. ``self.retry()`` after the call raised, is the task's own decision.)"""
+    if end_index >= len(trail) or (trail[end_index].frm, trail[end_index].to) != (
+        State.RUNNING,
+        State.TIMEOUT,
+    ):
+        return
+    after_timeout = trail[end_index + 1] if end_index + 1 < len(trail) else None
+    if after_timeout is not None and after_timeout.to is State.RETRY_WAIT:
+        yield Violation(
+            "rerun_after_unknown_outcome",
+            task_id,
+            f"step {step.name!r} was in flight when attempt {step.attempt} lost its lease, "
+            f"yet the expiry chose RETRY_WAIT (audit row {after_timeout.id})",
+        )
+        return
+    for row in trail[end_index + 1 :]:
+        if row.to is State.PENDING and row.frm in _OPERATOR_RETRY_SOURCES:
+            return  # an operator retry (it also deletes such a step; kept here = raced)
+        if (row.frm, row.to) == (State.PENDING, State.RUNNING) and row.attempt > step.attempt:
+            yield Violation(
+                "rerun_after_unknown_outcome",
+                task_id,
+                f"step {step.name!r} was in flight when attempt {step.attempt} lost its "
+                f"lease, yet attempt {row.attempt} was claimed without an operator retry",
+            )
+            return
+
+
+def _name(state: State | None) -> str:
+    return "(new)" if state is None else state.value
+
+
+def summarize(violations: Sequence[Violation]) -> dict[str, int]:
+    """Violations counted by kind (for reports)."""
+    counts: dict[str, int] = defaultdict(int)
+    for v in violations:
+        counts[v.kind] += 1
+    return dict(sorted(counts.items()))
+
+
+__all__ = ["KINDS", "Violation", "check", "summarize"]
