@@ -1,0 +1,74 @@
+"""The benchmark scripts still run: ``benchmarks/run_all.py --quick`` (tiny N).
+
+No thresholds (the machine is shared and noisy): only that every benchmark runs to
+the end against the real services, prints its figures, and writes the page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..helpers import REPO_ROOT
+
+SECTIONS = (
+    "## 1. Task overhead against plain Celery",
+    "## 2. Steps",
+    "## 3. Heartbeat cost",
+    "## 4. Reaper at scale (PostgreSQL)",
+    "## 5. Recovery latency",
+    "## 6-7. Dedup and claims under contention",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(1800)
+def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_url: str) -> None:
+    env = dict(os.environ)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    env.pop("PYTHONWARNINGS", None)
+    env["CELERY_LEASE_BENCH_PG_URL"] = pg_url  # schemas inside the session database
+    env["CELERY_LEASE_BENCH_REDIS_URL"] = redis_url
+    script = REPO_ROOT / "benchmarks" / "run_all.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--out", str(tmp_path)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+        check=False,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+
+    # printed as it went: the machine, then each section with its tables
+    assert "machine: CPU:" in proc.stdout
+    for title in SECTIONS:
+        assert title in proc.stdout, f"{title!r} not printed"
+    for figure in ("publish /s", "round trips", "statements / renewal", "EXPLAIN", "claims"):
+        assert figure in proc.stdout, f"no {figure!r} figures printed"
+
+    page = (tmp_path / "benchmarks.md").read_text()
+    assert page.startswith("# Benchmarks")
+    assert "quick (smoke) run" in page
+    assert "## Machine" in page and "## Targets of issue 6 at a glance" in page
+    for title in SECTIONS:
+        assert title in page, f"{title!r} missing from the page"
+    assert "FAILED" not in page
+
+    data = json.loads((tmp_path / "img" / "bench-data.json").read_text())
+    sections = data["sections"]
+    assert {"overhead", "heartbeat", "reaper", "recovery", "contention"} <= set(sections)
+    # the correctness checks the benchmarks make hold even at tiny N
+    for dedup in sections["contention"]["dedup"]:
+        assert dedup["rows"] == dedup["keys"] == dedup["executions"] == dedup["messages"]
+    assert sections["contention"]["claims"]["double_claims"] == 0
+    assert sections["reaper"]["plans"] >= 4
+    assert sections["reaper"]["seq_scans"] == 0
