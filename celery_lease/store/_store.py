@@ -229,8 +229,8 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         # runs ahead) is not claimed: it is published again with the remaining delay
         due = or_(t.c.eta.is_(None), t.c.eta <= db_now())
 
-        def fast(conn: Connection, _: bool) -> Claim | None:
-            rows = self._move(
+        def move(conn: Connection) -> list[Row[Any]]:
+            return self._move(
                 conn,
                 [t.c.id == task_id, due],
                 State.PENDING,
@@ -240,19 +240,13 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 values=claim_values,
                 returning=returning,
             )
+
+        def fast(conn: Connection, _: bool) -> Claim | None:
+            rows = move(conn)
             return claimed(rows[0], False) if rows else None
 
         def op(conn: Connection, is_retry: bool) -> Claim | Refusal:
-            rows = self._move(
-                conn,
-                [t.c.id == task_id, due],
-                State.PENDING,
-                State.RUNNING,
-                reason=f"claimed by {actor}",
-                actor=actor,
-                values=claim_values,
-                returning=returning,
-            )
+            rows = move(conn)
             adopted = False
             if not rows:
                 row = conn.execute(
@@ -263,16 +257,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 if row is None and adopt is not None:
                     self._adopt(conn, adopt() if callable(adopt) else adopt)
                     adopted = True
-                    rows = self._move(
-                        conn,
-                        [t.c.id == task_id],
-                        State.PENDING,
-                        State.RUNNING,
-                        reason=f"claimed by {actor}",
-                        actor=actor,
-                        values=claim_values,
-                        returning=returning,
-                    )
+                    rows = move(conn)  # an adopted row has no ETA: due at once
                 elif row is not None and is_retry and row.token == token:
                     # the first try committed but its answer was lost
                     again = select(t.c.id, t.c.attempt, *returning).where(t.c.id == task_id)
