@@ -1,0 +1,412 @@
+"""Fault injection for the crash suite: crash-point subprocesses, service restarts, a
+TCP proxy that makes PostgreSQL unreachable, and the guard that keeps a test from
+restarting services under someone else's feet.
+
+Used by ``test_matrix_outbox.py`` (rows 1, 2), ``test_matrix_faults.py`` (rows 12-14)
+and the chaos soak (``test_soak.py``, ``scripts/soak.py``).
+
+Restarting Redis, RabbitMQ or PostgreSQL affects every process on the machine. A test
+that does it takes the ``exclusive_services`` fixture: it skips (with the reason) when
+another test session or worker that is not ours is running, unless
+``CELERY_LEASE_TEST_EXCLUSIVE=1`` says the machine is ours; and every restart helper
+brings the service back and waits until it answers, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..helpers import WorkerProject, wait_until
+
+#: Environment variable naming the crash point a subprocess dies at.
+CRASH_ENV = "CELERY_LEASE_CRASH_AT"
+#: Exit status of a fired crash point (``celery_lease._crashpoints.EXIT_STATUS``).
+CRASH_STATUS = 137
+#: Until the crash-point call sites are in the package, point subprocesses at a patched
+#: copy: ``CELERY_LEASE_TEST_PACKAGE_ROOT=/path/holding/celery_lease``.
+PACKAGE_ROOT_ENV = "CELERY_LEASE_TEST_PACKAGE_ROOT"
+#: Set to 1 to let tests restart shared services although other sessions are running.
+EXCLUSIVE_ENV = "CELERY_LEASE_TEST_EXCLUSIVE"
+
+REDIS_START = [
+    "redis-server",
+    "--daemonize",
+    "yes",
+    "--bind",
+    "127.0.0.1",
+    "-::1",
+    "--port",
+    "6379",
+    "--save",
+    "",
+    "--appendonly",
+    "no",
+    "--dir",
+    "/var/lib/redis",
+    "--logfile",
+    "/var/log/redis/ci.log",
+]
+
+
+# -- subprocesses that die at a named crash point ------------------------------------------
+
+_PRODUCER = """
+import importlib, json, sys
+module = importlib.import_module(sys.argv[1])
+task = module.app.tasks[sys.argv[2]]
+options = json.loads(sys.argv[4])
+task.apply_async(json.loads(sys.argv[3]), **options)
+print("PRODUCER RETURNED", flush=True)
+"""
+
+
+def subprocess_env(
+    project: WorkerProject, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The project's environment (as its workers get it), package override first."""
+    env = project.process_env(extra)
+    root = os.environ.get(PACKAGE_ROOT_ENV)
+    if root:
+        env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]])
+    return env
+
+
+def run_producer(
+    project: WorkerProject,
+    task_name: str,
+    args: Sequence[Any],
+    *,
+    crash_at: str | None,
+    timeout: float = 60.0,
+    **options: Any,
+) -> subprocess.CompletedProcess[str]:
+    """``apply_async`` one task in a fresh producer process that dies at ``crash_at``."""
+    import json
+
+    extra = {CRASH_ENV: crash_at} if crash_at else {}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PRODUCER,
+            project.module,
+            task_name,
+            json.dumps(list(args)),
+            json.dumps(options),
+        ],
+        cwd=project.directory,
+        env=subprocess_env(project, extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_reaper(
+    project: WorkerProject, *, crash_at: str | None, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """One ``celery -A <module> lease reap`` in its own process, dying at ``crash_at``."""
+    extra = {CRASH_ENV: crash_at} if crash_at else {}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", project.module, "lease", "reap"],
+        cwd=project.directory,
+        env=subprocess_env(project, extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def assert_crashed(proc: subprocess.CompletedProcess[str], point: str) -> None:
+    """The subprocess died at crash point ``point`` (not earlier, not never)."""
+    assert proc.returncode == CRASH_STATUS, (
+        f"crash point {point!r} did not fire (exit {proc.returncode}); is the crash-point "
+        f"patch applied (or {PACKAGE_ROOT_ENV} set)?\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    )
+    assert "PRODUCER RETURNED" not in proc.stdout
+
+
+# -- who else is on this machine ---------------------------------------------------------
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(raw[raw.rindex(")") + 2 :].split()[1])
+
+
+def _lineage(pid: int) -> set[int]:
+    out: set[int] = set()
+    while pid and pid not in out:
+        out.add(pid)
+        parent = _ppid(pid)
+        if parent is None:
+            break
+        pid = parent
+    return out
+
+
+def foreign_sessions() -> list[str]:
+    """Test sessions, Celery workers and benchmark or demo drivers on this machine that
+    are neither ours nor our ancestors (an engineer's pytest, a demo, their workers)."""
+    me = os.getpid()
+    ancestors = _lineage(me)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if pid in ancestors:
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in argv if a]
+        if not words or not any("python" in w or w.endswith("celery") for w in words[:1]):
+            continue
+        line = " ".join(words)
+        # test sessions, workers, and the scripts that drive them (benchmarks, demos)
+        if not any(mark in line for mark in ("pytest", "celery", "benchmarks/", "scripts/")):
+            continue
+        if me in _lineage(pid):
+            continue  # our own workers and subprocesses
+        found.append(f"{pid} {line[:160]}")
+    return found
+
+
+@pytest.fixture
+def exclusive_services() -> None:
+    """Skip unless this session may restart Redis, RabbitMQ and PostgreSQL."""
+    if os.environ.get(EXCLUSIVE_ENV) == "1":
+        return
+    others = foreign_sessions()
+    if others:
+        pytest.skip(
+            "restarts shared services, but other test sessions or workers are running "
+            f"(set {EXCLUSIVE_ENV}=1 to override): " + "; ".join(others[:3])
+        )
+
+
+# -- service control -----------------------------------------------------------------------
+
+
+def _run(argv: Sequence[str], timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def redis_up(port: int = 6379) -> bool:
+    out = _run(["redis-cli", "-h", "127.0.0.1", "-p", str(port), "ping"], timeout=10)
+    return out.stdout.strip() == "PONG"
+
+
+def redis_start() -> None:
+    """Start Redis as CI does (no-op if it answers) and wait until it does."""
+    if not redis_up():
+        _run(REDIS_START, timeout=30)
+    wait_until(redis_up, timeout=30, interval=0.1, message="Redis did not come back")
+
+
+def redis_restart_losing_data() -> None:
+    """``SHUTDOWN NOSAVE`` then start again: every key (every queue) is gone."""
+    try:
+        _run(["redis-cli", "-h", "127.0.0.1", "-p", "6379", "shutdown", "nosave"], timeout=30)
+        wait_until(lambda: not redis_up(), timeout=30, interval=0.1, message="Redis still up")
+    finally:
+        redis_start()
+
+
+def rabbitmq_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            pass
+    except OSError:
+        return False
+    return _run(["rabbitmq-diagnostics", "-q", "check_running"], timeout=60).returncode == 0
+
+
+def rabbitmq_restart_app() -> None:
+    """``rabbitmqctl stop_app`` then ``start_app``: connections drop, non-durable queues
+    (and their messages) are gone, durable queues keep their persistent messages."""
+    try:
+        _run(["rabbitmqctl", "stop_app"], timeout=120)
+    finally:
+        started = _run(["rabbitmqctl", "start_app"], timeout=180)
+        if started.returncode != 0:  # the node itself went away: start it as CI does
+            _run(["rabbitmq-server", "-detached"], timeout=60)
+        wait_until(rabbitmq_up, timeout=180, interval=0.5, message="RabbitMQ did not come back")
+
+
+def pg_cluster() -> str:
+    versions = sorted(os.listdir("/etc/postgresql"))
+    return versions[-1]
+
+
+def pg_up() -> bool:
+    return _run(["pg_isready", "-h", "127.0.0.1", "-p", "5432", "-q"], timeout=10).returncode == 0
+
+
+def pg_restart() -> None:
+    """Restart the PostgreSQL cluster (every connection drops) and wait until it answers."""
+    try:
+        _run(
+            ["pg_ctlcluster", "--skip-systemctl-redirect", pg_cluster(), "main", "restart"],
+            timeout=180,
+        )
+    finally:
+        if not pg_up():
+            _run(
+                ["pg_ctlcluster", "--skip-systemctl-redirect", pg_cluster(), "main", "start"],
+                timeout=180,
+            )
+        wait_until(pg_up, timeout=120, interval=0.2, message="PostgreSQL did not come back")
+
+
+def pg_terminate(url: str, *, exclude_pid: int | None = None) -> int:
+    """Terminate every other backend connected to the database of ``url``; returns how many.
+
+    Scoped to that one database (a test session's own), never the whole server.
+    """
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    libpq = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True, connect_timeout=5) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND backend_type = 'client backend'"
+        ).fetchall()
+    return sum(1 for (ok,) in rows if ok)
+
+
+# -- a TCP proxy in front of PostgreSQL ----------------------------------------------------
+
+
+class TcpProxy:
+    """A loopback TCP proxy to ``target``: workers pointed at it lose the database when
+    the test says so, while everyone else keeps a direct connection.
+
+    ``cut()`` closes every proxied connection and refuses new ones (a dead host or a
+    firewall answering RST); ``restore()`` accepts again on the same port.
+    """
+
+    def __init__(self, target: tuple[str, int] = ("127.0.0.1", 5432)) -> None:
+        self.target = target
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = int(probe.getsockname()[1])
+        probe.close()
+        self.cuts = 0
+
+    def url(self, database_url: str) -> str:
+        """``database_url`` rewritten to go through this proxy."""
+        from sqlalchemy.engine import make_url
+
+        return (
+            make_url(database_url)
+            .set(host="127.0.0.1", port=self.port)
+            .render_as_string(hide_password=False)
+        )
+
+    def start(self) -> TcpProxy:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+        self._thread.start()
+        return self
+
+    restore = start
+
+    def cut(self) -> None:
+        """Drop every connection and stop listening (connects are refused)."""
+        self.cuts += 1
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        if self._thread is not None:
+            self._thread.join(5)
+        with self._lock:
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            # shutdown, not close: it wakes the pump thread blocked on this socket, which
+            # then closes both ends (the worker sees its connection drop at once)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    close = cut
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._conns.update((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(a, selectors.EVENT_READ, b)
+        sel.register(b, selectors.EVENT_READ, a)
+        try:
+            while True:
+                for key, _ in sel.select(timeout=1.0):
+                    src: socket.socket = key.fileobj  # type: ignore[assignment]
+                    data = src.recv(65536)
+                    if not data:
+                        return
+                    key.data.sendall(data)
+                with self._lock:
+                    if a not in self._conns:
+                        return
+        except OSError:
+            return
+        finally:
+            sel.close()
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.close()
+            with self._lock:
+                self._conns.discard(a)
+                self._conns.discard(b)
+
+
+@contextlib.contextmanager
+def proxy_to_postgres() -> Iterator[TcpProxy]:
+    proxy = TcpProxy().start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
