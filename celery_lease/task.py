@@ -284,6 +284,13 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             logger.warning(
                 "task %s[%s]: %s; stopping, nothing more written", self.name, req.id, lost
             )
+            # A lease lost in the database is already someone else's: giving it up is a
+            # no-op (fenced by token). A lease given up because this worker self-fenced may
+            # still be ours in the database (claimed as the heartbeat recovered, after it
+            # expired our other leases): expire it now, or it stays RUNNING under a live
+            # heartbeat forever. If the database does not answer, the StoreError reaches
+            # LeasedRequest.on_failure, which expires it from the main process.
+            self._give_up(execution, str(lost))
             raise Ignore() from lost
         except TaskCancelled as cancelled:
             self._outcome(
@@ -298,6 +305,13 @@ class LeasedTask(Task):  # type: ignore[type-arg]
                 self._retry_outcome(execution, 0.0, "task rejected with requeue", repr(reject))
             else:
                 self._outcome(execution, State.FAILED, reason="task rejected", error=repr(reject))
+            raise
+        except StoreError:
+            # the database failed, not the task: no outcome can be written now, and the
+            # row must not stay RUNNING under this worker's live heartbeat. The worker's
+            # main process (LeasedRequest.on_failure) expires the lease as soon as the
+            # database answers; the policy then retries, or hands the task to a person if
+            # a non-idempotent step was in flight.
             raise
         except Exception as error:
             self._outcome(
@@ -372,6 +386,11 @@ class LeasedTask(Task):  # type: ignore[type-arg]
                 to,
             )
         return ok
+
+    def _give_up(self, execution: Execution, why: str) -> None:
+        rt = runtime(self.app)
+        assert rt.incarnation is not None
+        rt.store.give_up(execution.lease, actor=rt.incarnation.actor, reason=why)
 
     def _retry_outcome(
         self, execution: Execution, delay: float, reason: str, error: str | None

@@ -303,6 +303,11 @@ class LeasedRequest(Request):
             lost = f"pool child lost: {exc}"
         elif isinstance(exc, (SystemExit, KeyboardInterrupt, Terminated)):
             lost = f"pool child terminated: {exc!r}"
+        elif isinstance(exc, StoreError):
+            # the execution stopped on a database error: its lease must not outlive it
+            # (the heartbeat is alive), and a claim that failed left its message
+            # consumed: expire / re-publish at once, retried until the database answers
+            lost = f"lease store unavailable while the task ran: {exc}"
         try:
             return super().on_failure(
                 exc_info, send_failed_event=send_failed_event, return_ok=return_ok

@@ -492,6 +492,16 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         )
         return Expiry(task_id, to, why)
 
+    def give_up(self, lease: Lease, *, actor: str, reason: str) -> Expiry | None:
+        """An execution gives up its own lease (it stopped without an outcome): expire it
+        at once, fenced by its token, then apply the policy. ``None``: it was no longer
+        this execution's lease (nothing changed)."""
+        return self._tx(
+            lambda conn, _: self._expire_one(
+                conn, lease.task_id, lease.token, actor=actor, reason=reason
+            )
+        )
+
     def overrun(self, *, actor: str, limit: int | None = None) -> list[str]:
         """RUNNING rows with a live lease but no progress for ``max_runtime`` -> WAIT_MANUAL.
 
