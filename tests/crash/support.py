@@ -457,3 +457,15 @@ def submit_in_process(
     finally:
         runtime(module.app).reset()
         module.app.close()
+
+
+#: The audit trail of a task recovered once from a lost lease, then successful.
+RECOVERED = [
+    (None, "PENDING"),
+    ("PENDING", "RUNNING"),
+    ("RUNNING", "TIMEOUT"),
+    ("TIMEOUT", "RETRY_WAIT"),
+    ("RETRY_WAIT", "PENDING"),
+    ("PENDING", "RUNNING"),
+    ("RUNNING", "SUCCEEDED"),
+]

@@ -18,17 +18,7 @@ from sqlalchemy import select
 
 from celery_lease import State
 
-from .support import LeaseEnv, Stopwatch, released, report
-
-RECOVERED = [
-    (None, "PENDING"),
-    ("PENDING", "RUNNING"),
-    ("RUNNING", "TIMEOUT"),
-    ("TIMEOUT", "RETRY_WAIT"),
-    ("RETRY_WAIT", "PENDING"),
-    ("PENDING", "RUNNING"),
-    ("RUNNING", "SUCCEEDED"),
-]
+from .support import RECOVERED, LeaseEnv, Stopwatch, released, report
 
 
 @pytest.mark.parametrize(
