@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from celery_lease.check import check
 from celery_lease.config import LeaseConfig
 from celery_lease.store import Store
 
@@ -256,11 +257,16 @@ def lease_config(backend: str, store_url: str, store_schema: str | None) -> Conf
 
 
 @pytest.fixture
-def make_store(lease_config: ConfigFactory, harness: Harness) -> Iterator[Callable[..., Store]]:
+def make_store(
+    lease_config: ConfigFactory, harness: Harness, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Store]]:
     """``make_store(migrate=True, **config_overrides) -> Store``, disposed at teardown.
 
     At teardown (after every worker process is gone) the audit trail of every task in
-    each store that has tables is checked with :func:`tests.helpers.check_audit`.
+    each store that has tables is checked with :func:`tests.helpers.check_audit`, and
+    the invariant checker (:func:`celery_lease.check.check`, safety invariants) must
+    find nothing. A test that builds violations on purpose (the checker's own tests)
+    says so with ``@pytest.mark.violations``.
     """
     made: list[Store] = []
 
@@ -279,6 +285,11 @@ def make_store(lease_config: ConfigFactory, harness: Harness) -> Iterator[Callab
         if key not in checked and s.schema_version() is not None:
             checked.add(key)
             check_audit(s)
+            if request.node.get_closest_marker("violations") is None:
+                found = check(s, liveness=False)
+                assert found == [], "invariant violations at teardown:\n" + "\n".join(
+                    map(str, found)
+                )
 
 
 @pytest.fixture
