@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -23,7 +24,7 @@ from ._runtime import runtime
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
 from .states import State
-from .store import NewTask, Refusal, dumps
+from .store import NewTask, Refusal, Store, dumps
 
 logger = logging.getLogger("celery_lease")
 
@@ -244,14 +245,27 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         task_id = req.id
         if not task_id:
             raise ConfigurationError(f"task {self.name}: a delivery without a task id")
+        # The heartbeat lapsed for a TTL and has not been renewed since: a lease claimed
+        # now would be lost at once (at the first boundary, or expired with the others
+        # when the heartbeat recovers), a recovery counted against max_recoveries for a
+        # task that never ran. Leave a PENDING row PENDING and publish it again, due after
+        # the next heartbeat (if the database does not answer, the StoreError reaches
+        # LeasedRequest.on_failure and the main process does it later). Any other
+        # delivery goes on to the claim, which drops a copy or adopts a message without
+        # a row.
+        delay = rt.config.heartbeat_interval
+        if inc.flags.fenced and self._publish_again(store, inc.actor, task_id, delay):
+            logger.info(
+                "task %s[%s]: delivery dropped without running (worker %s is self-fenced)",
+                self.name,
+                req.id,
+                inc.nodename,
+            )
+            raise Ignore()
         claim = store.claim(task_id, inc.id, inc.actor, adopt=adopt)
         if isinstance(claim, Refusal):
             if claim.early:
-                from .reaper import Reaper
-
-                Reaper(self.app, actor=inc.actor, store=store).publish(
-                    store.take_pending([task_id])
-                )
+                self._publish_again(store, inc.actor, task_id)
             logger.info(
                 "task %s[%s]: delivery dropped without running (%s)", self.name, req.id, claim.why
             )
@@ -268,6 +282,19 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             return self._run(execution, rt.config.result_max_bytes, args, kwargs)
         finally:
             _current.reset(token)
+
+    def _publish_again(
+        self, store: Store, actor: str, task_id: str, delay: float | None = None
+    ) -> bool:
+        """Publish the task's message again if its row is PENDING (this delivery was not
+        claimed), due in ``delay`` seconds at the earliest; whether it was."""
+        from .reaper import Reaper
+
+        rows = store.take_pending([task_id])
+        if delay is not None:
+            rows = [dataclasses.replace(r, countdown=max(r.countdown or 0.0, delay)) for r in rows]
+        Reaper(self.app, actor=actor, store=store).publish(rows)
+        return bool(rows)
 
     def _run(
         self, execution: Execution, result_limit: int, args: tuple[Any, ...], kwargs: dict[str, Any]
