@@ -21,7 +21,9 @@ class Heartbeat(threading.Thread):
     If renewal fails for a whole ``ttl`` (database unreachable, or this process was
     frozen), the worker treats its leases as lost: it raises the shared fence flag so
     every running task stops at its next step boundary, and once the database answers
-    again ``on_recovered`` expires the rows it still holds.
+    again ``on_recovered`` expires the rows it still holds. Each renewal also moves the
+    shared deadline (``flags.deadline``) one TTL ahead, so tasks see the fence on time
+    even when this thread is stuck in a renewal or its process is frozen.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class Heartbeat(threading.Thread):
         self.renewals = 0
         self._stop_event = threading.Event()
         self._last_ok = time.monotonic()
+        incarnation.flags.deadline = self._last_ok + ttl
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -52,7 +55,7 @@ class Heartbeat(threading.Thread):
         # A gap longer than the TTL means others may already have expired our leases:
         # whatever we still hold is lost, even if this renewal succeeds.
         gap = time.monotonic() - self._last_ok
-        if gap >= self.ttl and not inc.flags.fenced:
+        if gap >= self.ttl and not inc.flags.raised:
             logger.error(
                 "worker %s: heartbeat not renewed for %.1f s (TTL %.1f s): "
                 "treating its leases as lost",
@@ -61,6 +64,7 @@ class Heartbeat(threading.Thread):
                 self.ttl,
             )
             inc.flags.fenced = True
+        sent = time.monotonic()  # the row's heartbeat is no earlier than this
         try:
             renewed = self.store.renew(inc.id)
             if not renewed:
@@ -78,9 +82,12 @@ class Heartbeat(threading.Thread):
         except StoreError as error:
             logger.warning("worker %s: heartbeat failed: %s", inc.nodename, error)
             return False
-        self._last_ok = time.monotonic()
+        self._last_ok = sent
         self.renewals += 1
         if inc.flags.fenced:
+            # past the deadline without a word from this thread (a renewal stuck in a
+            # connect timeout): the leases are lost all the same
+            inc.flags.fenced = True
             try:
                 self.on_recovered(
                     f"worker {inc.nodename} self-fenced: heartbeat lapsed for {gap:.1f} s"
@@ -90,8 +97,11 @@ class Heartbeat(threading.Thread):
                     "worker %s: could not expire fenced leases yet: %s", inc.nodename, error
                 )
                 return True
+            inc.flags.deadline = self._last_ok + self.ttl
             inc.flags.fenced = False
             logger.warning("worker %s: heartbeat restored; fenced leases expired", inc.nodename)
+            return True
+        inc.flags.deadline = self._last_ok + self.ttl
         return True
 
     def run(self) -> None:
