@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""The long seeded chaos soak: the engine of ``tests/crash/test_soak.py``, run longer.
+
+    python scripts/soak.py --seed 7 --chaos-seconds 300 --tasks 400 [--workers 4]
+
+N real workers (prefork and threads pools) on a PostgreSQL store and a Redis broker run
+a mixed workload while a seeded schedule SIGKILLs pool children and whole workers
+(restarting them), freezes and resumes workers, makes the broker lose its queued
+messages and kills the store's database connections; then the system is left alone
+and every invariant is checked (see ``tests/crash/chaos.py``). Prints a summary table;
+exits 1 on any violation (the seed reproduces the schedule).
+
+Needs the services of the test suite (``CELERY_LEASE_TEST_PG_ADMIN_URL``,
+``CELERY_LEASE_TEST_REDIS_URL``: a Redis database the script flushes, default 10).
+Redis is really restarted (``SHUTDOWN NOSAVE``) only with ``--restart-redis yes``, or
+with ``auto`` when ``CELERY_LEASE_TEST_EXCLUSIVE=1`` or no other test session runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.crash.chaos import SOURCE, TIMINGS, Options, Soak, seed_from_env
+from tests.crash.faults import EXCLUSIVE_ENV, foreign_sessions
+from tests.crash.standalone import Standalone
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=seed_from_env())
+    parser.add_argument("--chaos-seconds", type=float, default=300.0)
+    parser.add_argument("--tasks", type=int, default=400)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--producers", type=int, default=3)
+    parser.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=180.0,
+        help="bound on the time from the end of the schedule until every task settled",
+    )
+    parser.add_argument("--restart-redis", choices=("auto", "yes", "no"), default="auto")
+    parser.add_argument("--quiet", action="store_true", help="do not print every fault")
+    parser.add_argument("--keep", action="store_true", help="keep the workers' logs")
+    args = parser.parse_args(argv)
+
+    if args.restart_redis == "auto":
+        restart = os.environ.get(EXCLUSIVE_ENV) == "1" or not foreign_sessions()
+    else:
+        restart = args.restart_redis == "yes"
+    started = time.monotonic()
+    with Standalone(keep=args.keep) as env:
+        project = env.leased_project(SOURCE, **TIMINGS)
+        opts = Options(
+            seed=args.seed,
+            chaos_seconds=args.chaos_seconds,
+            tasks=args.tasks,
+            workers=args.workers,
+            producers=args.producers,
+            settle_timeout=args.settle_timeout,
+            restart_redis=restart,
+            database_url=env.database_url,
+        )
+        echo = None if args.quiet else (lambda line: print(line, flush=True))
+        report = Soak(project, opts, env.redis_url, echo=echo).run()
+        if not report.ok:
+            env.keep = True
+    print()
+    print(report.table())
+    print(f"\nwall time {time.monotonic() - started:.0f} s; reproduce with --seed {args.seed}")
+    if not report.ok:
+        print("\n" + report.failure_message(), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""What the chaos soak checks and reports (see :mod:`tests.crash.chaos`).
+
+:func:`verify` checks the soak's claim once the system was left alone: every submitted
+task has a row in a settled state allowed for its kind (WAIT_MANUAL with a reason), none
+is RUNNING, no idempotent effect was performed twice and no non-idempotent call was
+made twice (the counting stub records the attempt of each), every audit trail is legal,
+and ``celery_lease.check.check(store, liveness=False)`` finds nothing. :class:`Report`
+holds what happened and prints the summary table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from celery_lease import State, TaskRecord
+from celery_lease.check import check
+
+from ..helpers import Effect, check_audit
+from .support import LeasedProject
+
+if TYPE_CHECKING:
+    from .chaos import Options
+
+#: Environment variable holding the soak's seed (the test's and the script's default).
+SEED_ENV = "CELERY_LEASE_SOAK_SEED"
+
+FAULT_KINDS = ("kill_child", "kill_worker", "freeze", "redis", "pg_terminate")
+
+#: States a task may rest in once the system is left alone.
+SETTLED = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED, State.WAIT_MANUAL})
+
+#: kind -> states its tasks may end in (WAIT_MANUAL is checked apart, by its reason).
+ALLOWED: dict[str, frozenset[State]] = {
+    "idem": frozenset({State.SUCCEEDED}),
+    "nonidem": frozenset({State.SUCCEEDED}),
+    "retry": frozenset({State.SUCCEEDED}),
+    "fail": frozenset({State.FAILED}),
+    "exhaust": frozenset({State.FAILED}),
+    "long": frozenset({State.SUCCEEDED}),
+    # the cancel may land after the task finished
+    "cancel": frozenset({State.CANCELLED, State.SUCCEEDED}),
+    "dedup": frozenset({State.SUCCEEDED}),
+}
+
+#: kind -> what a FAILED row's reason or error says when the task failed by its own logic
+_OWN_FAILURE: dict[str, str] = {
+    "fail": "fails by its own logic",
+    "exhaust": "retries exhausted",
+}
+_OWN_FAILURE.update(dict.fromkeys(set(ALLOWED) - set(_OWN_FAILURE), "(never fails)"))
+
+#: Idempotent step names per kind that a SUCCEEDED task performed exactly once.
+_DONE_STEPS: dict[str, Callable[[tuple[Any, ...]], list[str]]] = {
+    "idem": lambda args: [f"s{i}" for i in range(int(args[1]))],
+    "nonidem": lambda args: ["load", "ship"],
+    "retry": lambda args: [f"r{i}" for i in range(int(args[1]) + 1)],
+    "long": lambda args: ["finish"],
+    "dedup": lambda args: ["s0"],
+}
+
+# -- what happened ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Fault:
+    """A fault as injected: when (wall clock, UTC: the database runs on this host), what it
+    hit, and the tasks it interrupted (their next attempt measures the recovery)."""
+
+    kind: str
+    at: datetime
+    target: str
+    affected: list[str]
+
+
+@dataclasses.dataclass
+class Report:
+    """The outcome of one soak (:meth:`table` prints it)."""
+
+    opts: Options
+    kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    args: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    faults: list[Fault] = dataclasses.field(default_factory=list)
+    restarts: int = 0
+    records: dict[str, TaskRecord] = dataclasses.field(default_factory=dict)
+    violations: list[str] = dataclasses.field(default_factory=list)
+    duplicate_effects: int = 0
+    nonidempotent_reruns: int = 0
+    idempotent_replays: int = 0
+    lost: list[str] = dataclasses.field(default_factory=list)
+    #: fault kind -> seconds from the fault to each affected task's next attempt
+    recovery: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    #: fault kind -> affected tasks that needed no new attempt
+    not_rerun: dict[str, int] = dataclasses.field(default_factory=dict)
+    chaos_wall: float = 0.0
+    settle_wall: float = 0.0
+    log: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def outcomes(self) -> Counter[str]:
+        return Counter(r.state.value for r in self.records.values())
+
+    def manual_reasons(self) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for r in self.records.values():
+            if r.state is State.WAIT_MANUAL:
+                reason = r.reason or "(no reason)"
+                out[reason.split(":")[0].split(" (")[0][:60]] += 1
+        return out
+
+    def table(self) -> str:
+        """The summary: tasks, faults by kind, outcomes, duplicates, losses, recovery."""
+        o = self.opts
+        lines = [
+            f"chaos soak: seed {o.seed}, {o.workers} workers, {o.chaos_seconds:g} s of chaos, "
+            f"Redis {'restarted' if o.restart_redis else 'queues dropped'}",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            f"| tasks submitted | {len(self.kinds)} |",
+            f"| worker restarts | {self.restarts} |",
+        ]
+        by_kind = Counter(f.kind for f in self.faults)
+        for kind in FAULT_KINDS:
+            lines.append(f"| faults: {kind} | {by_kind.get(kind, 0)} |")
+        for state, n in sorted(self.outcomes().items()):
+            lines.append(f"| outcome: {state} | {n} |")
+        for reason, n in sorted(self.manual_reasons().items()):
+            lines.append(f"| WAIT_MANUAL reason: {reason} | {n} |")
+        lines += [
+            f"| duplicate effects (must be 0) | {self.duplicate_effects} |",
+            f"| non-idempotent re-runs (must be 0) | {self.nonidempotent_reruns} |",
+            f"| lost tasks (must be 0) | {len(self.lost)} |",
+            f"| idempotent calls answered from their key | {self.idempotent_replays} |",
+            f"| chaos wall time | {self.chaos_wall:.1f} s |",
+            f"| end of schedule -> every task settled | {self.settle_wall:.1f} s |",
+            f"| violations (must be 0) | {len(self.violations)} |",
+            "",
+            "recovery: fault -> affected task's next attempt started after its lease expired "
+            "for a reason that fault causes, or its lost message was re-published (seconds; "
+            "credited to the latest fault that hit the task before it)",
+            "",
+            "| fault | injected | tasks hit | recovered after it | no recovery of its own "
+            "| p50 | p90 | p99 | max |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for kind in FAULT_KINDS:
+            values = sorted(self.recovery.get(kind, []))
+            hit = sum(len(f.affected) for f in self.faults if f.kind == kind)
+            cells = [_fmt(_quantile(values, q)) for q in (0.5, 0.9, 0.99)]
+            cells.append(_fmt(values[-1] if values else None))
+            lines.append(
+                f"| {kind} | {by_kind.get(kind, 0)} | {hit} | {len(values)} | "
+                f"{self.not_rerun.get(kind, 0)} | " + " | ".join(cells) + " |"
+            )
+        return "\n".join(lines)
+
+    def failure_message(self) -> str:
+        shown = self.violations[:40]
+        more = len(self.violations) - len(shown)
+        return (
+            f"chaos soak seed {self.opts.seed} failed (reproduce with {SEED_ENV}="
+            f"{self.opts.seed}): {len(self.violations)} violations\n"
+            + "\n".join(f"  - {v}" for v in shown)
+            + (f"\n  ... {more} more" if more else "")
+            + "\n\n"
+            + self.table()
+            + "\n\nevents:\n"
+            + "\n".join(self.log[-200:])
+        )
+
+
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    rank = (len(values) - 1) * q
+    low = int(rank)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (rank - low)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+# -- verification ----------------------------------------------------------------------------
+
+
+def verify(project: LeasedProject, report: Report) -> None:
+    """Check every invariant of the soak; violations go to ``report.violations``."""
+    store = project.store
+    records = {r.id: r for r in store.list_tasks(limit=100_000)}
+    report.records = {t: records[t] for t in report.kinds if t in records}
+    v = report.violations
+    running = [r.id for r in records.values() if r.state is State.RUNNING]
+    if running:
+        v.append(f"{len(running)} tasks still RUNNING: {running[:8]}")
+    for task_id, kind in report.kinds.items():
+        rec = records.get(task_id)
+        if rec is None:
+            report.lost.append(task_id)
+            v.append(f"lost: {kind} task {task_id} has no row")
+            continue
+        if rec.state not in SETTLED:
+            report.lost.append(task_id)
+            v.append(f"{kind} task {task_id} ({rec.name}) is {rec.state.value}")
+            continue
+        if rec.state is State.WAIT_MANUAL:
+            reason = (rec.reason or "").strip()
+            if not reason:
+                v.append(f"{kind} task {task_id} is WAIT_MANUAL without a reason")
+            elif "outcome of step" in reason and kind != "nonidem":
+                v.append(f"{kind} task {task_id}: unexpected unknown outcome: {reason}")
+        elif rec.state not in ALLOWED[kind] or (
+            rec.state is State.FAILED and _OWN_FAILURE[kind] not in f"{rec.reason} {rec.error}"
+        ):
+            v.append(
+                f"{kind} task {task_id} ({rec.name}) ended {rec.state.value}: "
+                f"{rec.reason!r} {rec.error!r}"
+            )
+    _verify_effects(project, report, records)
+    try:
+        check_audit(store, list(records))
+    except AssertionError as error:
+        v.append(f"audit: {error}")
+    found = check(store, liveness=False)
+    v.extend(f"check: {violation}" for violation in found)
+    _recovery(project, report)
+
+
+def _verify_effects(project: LeasedProject, report: Report, records: dict[str, TaskRecord]) -> None:
+    """Idempotent effects at most once (exactly once for a SUCCEEDED task's steps);
+    the non-idempotent call at most once (never re-run after an unknown outcome)."""
+    v = report.violations
+    effects: dict[str, list[Effect]] = defaultdict(list)
+    for effect in project.external.effects():
+        effects[effect.name].append(effect)
+    report.idempotent_replays = project.external.calls() - sum(len(e) for e in effects.values())
+    for name, found in sorted(effects.items()):
+        if name.startswith("start:"):
+            continue
+        if name.startswith("charge:"):
+            if len(found) > 1:
+                report.nonidempotent_reruns += len(found) - 1
+                attempts = [e.payload for e in found]
+                v.append(
+                    f"{name}: non-idempotent call made {len(found)} times (attempts {attempts})"
+                )
+        elif len(found) > 1:
+            report.duplicate_effects += len(found) - 1
+            v.append(f"{name}: idempotent effect performed {len(found)} times")
+    for task_id, kind in report.kinds.items():
+        rec = records.get(task_id)
+        if rec is None or rec.state is not State.SUCCEEDED or kind not in _DONE_STEPS:
+            continue
+        key = str(report.args[task_id][0])
+        for step in _DONE_STEPS[kind](report.args[task_id]):
+            if len(effects.get(f"{step}:{key}", [])) != 1:
+                v.append(f"{kind} task {task_id} SUCCEEDED without its {step!r} effect")
+        if kind == "nonidem" and len(effects.get(f"charge:{key}", [])) != 1:
+            v.append(f"nonidem task {task_id} SUCCEEDED without exactly one charge")
+
+
+#: fault kind -> words of the expiry reasons (RUNNING -> TIMEOUT) that fault can cause
+_EXPIRY_CAUSES: dict[str, tuple[str, ...]] = {
+    "kill_child": ("pool child lost",),
+    "kill_worker": ("restarted", "heartbeat older than the TTL"),
+    "freeze": ("heartbeat older than the TTL", "self-fenced"),
+    "pg_terminate": ("store unavailable", "self-fenced"),
+}
+
+
+def _recovery(project: LeasedProject, report: Report) -> None:
+    """Seconds from each fault to each affected task's recovery: its next attempt
+    (claim) after a lease expiry (RUNNING -> TIMEOUT) that followed the fault, for a
+    reason that fault can cause (a task the driver saw on a worker may have been hit
+    by a concurrent fault it did not see). A next attempt without an expiry in between
+    is the task's own retry, not a recovery; a ``redis`` fault hits PENDING tasks, whose
+    next claim (after a re-publish) is their recovery.
+
+    A recovery is credited to the latest fault that hit the task before it: a task hit
+    by a ``pg_terminate`` and then by a ``kill_child`` owes its re-run to the kill."""
+    trails: dict[str, tuple[list[datetime], list[tuple[datetime, str]]]] = {}
+    hits: dict[str, list[datetime]] = defaultdict(list)
+    for fault in report.faults:
+        for task_id in fault.affected:
+            hits[task_id].append(fault.at)
+    for fault in report.faults:
+        for task_id in fault.affected:
+            if task_id not in trails:
+                trail = project.store.history(task_id)
+                trails[task_id] = (
+                    [
+                        _utc(r.at)
+                        for r in trail
+                        if (r.from_state, r.to_state) == (State.PENDING, State.RUNNING)
+                    ],
+                    [(_utc(r.at), r.reason or "") for r in trail if r.to_state is State.TIMEOUT],
+                )
+            claims, expiries = trails[task_id]
+            claim = next((at for at in claims if at > fault.at), None)
+            expiry = next((e for e in expiries if e[0] > fault.at), None)
+            if fault.kind == "redis":
+                recovered = claim is not None
+            else:
+                causes = _EXPIRY_CAUSES[fault.kind]
+                recovered = (
+                    claim is not None
+                    and expiry is not None
+                    and expiry[0] < claim
+                    and any(cause in expiry[1] for cause in causes)
+                )
+            if (
+                claim is not None
+                and recovered
+                and not any(fault.at < hit < claim for hit in hits[task_id])
+            ):
+                report.recovery.setdefault(fault.kind, []).append(
+                    (claim - fault.at).total_seconds()
+                )
+            else:
+                report.not_rerun[fault.kind] = report.not_rerun.get(fault.kind, 0) + 1
+
+
+def _utc(at: datetime) -> datetime:
+    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)

@@ -1,0 +1,157 @@
+"""The crash-suite harness outside pytest, for ``scripts/soak.py`` and
+``scripts/compare_celery.py``: what the fixtures of ``tests/conftest.py`` give a test
+(a PostgreSQL database of its own, a Redis database flushed before and after, the
+counting stub, generated projects and their worker processes), as a context manager.
+
+Services (as for the test suite): ``CELERY_LEASE_TEST_PG_ADMIN_URL`` (default
+``postgresql://postgres@127.0.0.1:5432/test``) and ``CELERY_LEASE_TEST_REDIS_URL``
+(default ``redis://127.0.0.1:6379/10``, a database the scripts flush).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy.engine import make_url
+
+from celery_lease.config import LeaseConfig
+from celery_lease.store import Store
+
+from ..helpers import EXTERNAL_ENV, ExternalSystem, ProcessRegistry, WorkerProject, lease_settings
+from .support import GATES_ENV, Gates, LeasedProject
+
+PG_ADMIN_URL = os.environ.get(
+    "CELERY_LEASE_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("CELERY_LEASE_TEST_REDIS_URL", "redis://127.0.0.1:6379/10")
+
+
+def _libpq(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _pg(url: str, statement: Any) -> None:
+    import psycopg
+
+    with psycopg.connect(_libpq(url), autocommit=True, connect_timeout=5) as conn:
+        conn.execute(statement)
+
+
+def _flush_redis(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=5)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+class Standalone:
+    """A scratch environment: ``with Standalone() as env: p = env.project(SOURCE, ...)``.
+
+    Everything started is killed on exit, the database is dropped, the Redis database
+    flushed; the directory with the workers' logs is kept when ``keep`` is set (or the
+    block raised) and its path printed.
+    """
+
+    def __init__(
+        self, *, redis_url: str = REDIS_URL, pg_admin_url: str = PG_ADMIN_URL, keep: bool = False
+    ) -> None:
+        self.redis_url = redis_url
+        self.pg_admin_url = pg_admin_url
+        self.keep = keep
+        self.database = f"celery_lease_script_{os.getpid()}"
+        self.database_url = (
+            make_url(pg_admin_url).set(database=self.database).render_as_string(False)
+        )
+        self.dir = Path(tempfile.mkdtemp(prefix="celery-lease-script-"))
+        self.registry = ProcessRegistry()
+        self.stores: list[Store] = []
+        self.finalizers: list[Any] = []
+        self._count = 0
+
+    def __enter__(self) -> Standalone:
+        from psycopg import sql
+
+        name = sql.Identifier(self.database)
+        _pg(self.pg_admin_url, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
+        _pg(self.pg_admin_url, sql.SQL("CREATE DATABASE {}").format(name))
+        _flush_redis(self.redis_url)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        from psycopg import sql
+
+        self.registry.close()
+        for finalize in reversed(self.finalizers):
+            with contextlib.suppress(Exception):
+                finalize()
+        for store in self.stores:
+            with contextlib.suppress(Exception):
+                store.dispose()
+        with contextlib.suppress(Exception):
+            _flush_redis(self.redis_url)
+        name = sql.Identifier(self.database)
+        with contextlib.suppress(Exception):
+            _pg(self.pg_admin_url, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
+        if self.keep or kind is not None:
+            print(f"worker logs kept in {self.dir}", flush=True)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def flush_redis(self) -> None:
+        _flush_redis(self.redis_url)
+
+    def lease_config(self, **overrides: Any) -> LeaseConfig:
+        """A config on this environment's database, in a schema of its own."""
+        values: dict[str, Any] = {
+            "database_url": self.database_url,
+            "schema": f"s_{uuid.uuid4().hex[:10]}",
+        }
+        values.update(overrides)
+        return LeaseConfig(**values)
+
+    def plain_project(
+        self, source: str, *, settings: dict[str, Any] | None = None
+    ) -> tuple[WorkerProject, ExternalSystem]:
+        """A project without celery-lease; its own counting stub."""
+        self._count += 1
+        directory = self.dir / f"project{self._count}"
+        directory.mkdir()
+        external = ExternalSystem(directory / "external.sqlite3")
+        project = WorkerProject(
+            directory,
+            broker_url=self.redis_url,
+            queue=f"script-{uuid.uuid4().hex[:10]}",
+            source=source,
+            settings=settings,
+            env={EXTERNAL_ENV: str(external.path), GATES_ENV: str(directory / "gates")},
+            registry=self.registry,
+        )
+        return project, external
+
+    def leased_project(
+        self, source: str, *, settings: dict[str, Any] | None = None, **lease: Any
+    ) -> LeasedProject:
+        """A leased project (``lease`` are LeaseConfig fields) on a migrated store."""
+        config = self.lease_config(**lease)
+        merged = {**lease_settings(config), **(settings or {})}
+        project, external = self.plain_project(source, settings=merged)
+        store = Store(config)
+        self.stores.append(store)
+        store.migrate()
+        gates = Gates(project.directory / "gates")
+        return LeasedProject(project, store, external, gates, self.finalizers)

@@ -1,0 +1,44 @@
+"""The short seeded chaos soak (see :mod:`tests.crash.chaos`; the long one is
+``scripts/soak.py``).
+
+About 35 s of faults (pool children and whole workers SIGKILLed and restarted, workers
+frozen and resumed, the broker losing its queued messages, the store's connections
+killed) over a mixed workload on three workers (prefork and threads), PostgreSQL store,
+Redis broker; then the system is left alone and every invariant is checked. The seed
+is ``CELERY_LEASE_SOAK_SEED`` (default :data:`~tests.crash.chaos.DEFAULT_SEED`); a
+failure message names it. Redis is really restarted only when this session may restart
+shared services (``CELERY_LEASE_TEST_EXCLUSIVE=1``, or no other test session running).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .chaos import SOURCE, TIMINGS, Options, Soak, seed_from_env
+from .faults import EXCLUSIVE_ENV, foreign_sessions
+from .support import LeaseEnv, pg_only
+
+
+@pg_only()
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    p = lease_env.project(broker_url=redis_url, source=SOURCE, **TIMINGS)
+    exclusive = os.environ.get(EXCLUSIVE_ENV) == "1" or not foreign_sessions()
+    opts = Options(
+        seed=seed_from_env(),
+        chaos_seconds=35.0,
+        tasks=70,
+        workers=3,
+        producers=3,
+        settle_timeout=120.0,
+        restart_redis=exclusive,
+        database_url=p.store.config.database_url,
+    )
+    report = Soak(p, opts, redis_url, echo=print).run()
+    print(report.table())
+    assert report.ok, report.failure_message()
