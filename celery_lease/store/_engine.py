@@ -66,6 +66,9 @@ def create(config: LeaseConfig) -> Engine:
                 pool_size=config.pool_size,
                 max_overflow=config.pool_size,
                 pool_recycle=1800,
+                # the most recently used connection first: a process in steady use keeps
+                # reusing warm connections and the others idle out (pinged if used again)
+                pool_use_lifo=True,
                 connect_args={"connect_timeout": 5},
             )
         except ImportError as error:
