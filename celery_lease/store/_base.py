@@ -60,6 +60,16 @@ _REASON = bindparam("b_reason", type_=Text)
 _ACTOR = bindparam("b_actor", type_=String)
 
 
+def state_is(tasks: Any, state: State) -> ColumnElement[bool]:
+    """``tasks.state = state``, written so that no index on ``state`` can drive the
+    scan. Every transition names its rows by primary key; on PostgreSQL a prepared
+    statement's generic plan (or any plan made from statistics taken while few rows
+    had that state) may otherwise walk the state index, and so every PENDING or
+    RUNNING row of a backlog, on each claim, outcome and mark."""
+    column: ColumnElement[str] = tasks.c.state
+    return column.concat("") == state.value
+
+
 def bind(name: str, type_: Any, values: dict[str, Any] | None = None) -> Any:
     """Bind parameter ``name``, holding its value when ``values`` is given (a statement
     built for one call) and filled at execution otherwise (a statement built once)."""
@@ -237,7 +247,7 @@ class StoreBase:
         t = self.t.tasks
         return (
             update(t)
-            .where(t.c.state == frm.value, *where)
+            .where(state_is(t, frm), *where)
             .values(state=to.value, updated_at=db_now(), reason=_REASON, **(values or {}))
             .returning(t.c.id, t.c.attempt, t.c.name, *returning)
         )

@@ -40,7 +40,7 @@ from ..config import LeaseConfig
 from ..exceptions import SchemaOutOfDate
 from ..states import State
 from . import migrations
-from ._base import StoreBase, TransitionEvent, bind
+from ._base import StoreBase, TransitionEvent, bind, state_is
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
 from ._sql import after, db_now, greatest, seconds_between
@@ -230,7 +230,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         t = self.t.tasks
         return (
             update(t)
-            .where(which, t.c.state == State.PENDING.value, t.c.published_at.is_(None))
+            .where(which, state_is(t, State.PENDING), t.c.published_at.is_(None))
             .values(published_at=db_now(), publish_count=t.c.publish_count + 1)
         )
 
