@@ -53,6 +53,9 @@ class PublishedMarks:
         self._ids: list[str] = []
         self._since = 0.0
         self._thread: threading.Thread | None = None
+        #: Held while ids taken by :meth:`flush` are being recorded: a flush at exit
+        #: waits for the background thread's, or the interpreter would end it midway.
+        self._flushing = threading.Lock()
 
     def add(self, task_id: str) -> None:
         """Record ``task_id`` as published soon."""
@@ -86,9 +89,11 @@ class PublishedMarks:
             self._ids[:0] = ids
 
     def flush(self) -> None:
-        """Record every waiting id now."""
-        ids = self.take()
-        if ids:
+        """Record every waiting id now (after any flush already under way)."""
+        with self._flushing:
+            ids = self.take()
+            if not ids:
+                return
             try:
                 self._record(ids)
             except StoreError as error:
