@@ -9,8 +9,10 @@ round trips from them the way the drivers behave:
   it before the first statement) and a ``COMMIT``; in autocommit both cost nothing;
 - on SQLite the store's ``BEGIN IMMEDIATE`` is itself a statement, and ``COMMIT`` is the
   driver's; there is no network, so a "round trip" is a call into the library;
-- ``pool_pre_ping`` costs one round trip per checkout of a connection that is not new
-  (SQLAlchemy sends it on the raw DBAPI connection, so no cursor event sees it).
+- the store pings a pooled PostgreSQL connection at checkout only when it sat idle for
+  ``IDLE_PING_AFTER`` seconds (on the raw DBAPI connection, so no cursor event sees
+  it): one round trip then; an engine with ``pool_pre_ping`` pings at every checkout
+  of a connection that is not new.
 
 :func:`wire_trace` checks the model on PostgreSQL at the protocol level (libpq trace):
 each frontend ``Query`` or ``Sync`` message is one round trip.
@@ -47,6 +49,16 @@ def _autocommit(conn: Any) -> bool:
         return bool(getattr(conn.connection.dbapi_connection, "autocommit", False))
     except Exception:
         return False
+
+
+def _idle_ping(dbapi_conn: Any, record: Any) -> bool:
+    """Whether the store's checkout listener pings this connection (it sat idle)."""
+    from celery_lease.store import _engine
+
+    if type(dbapi_conn).__module__.split(".")[0] != "psycopg":
+        return False
+    last = record.info.get(_engine._LAST_USED)
+    return last is not None and time.monotonic() - last >= _engine.IDLE_PING_AFTER
 
 
 class SqlCounter:
@@ -133,7 +145,9 @@ class SqlCounter:
         else:
             pool = getattr(record, "_pool", None)
         pre_ping = bool(getattr(pool, "_pre_ping", False))
-        if pre_ping and not fresh:
+        if fresh:
+            return
+        if pre_ping or _idle_ping(dbapi_conn, record):
             self._add("pool:ping")
 
     # -- reading ----------------------------------------------------------------------------

@@ -6,10 +6,23 @@ import dataclasses
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, Connection, Row, String, Text, insert, literal, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Executable,
+    Integer,
+    Row,
+    String,
+    Text,
+    bindparam,
+    insert,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .. import states
@@ -42,6 +55,29 @@ class TransitionEvent:
 Listener = Callable[[Sequence[TransitionEvent]], None]
 
 
+#: The reason and actor of a transition: bind parameters, so a statement is built once.
+_REASON = bindparam("b_reason", type_=Text)
+_ACTOR = bindparam("b_actor", type_=String)
+
+
+def state_is(tasks: Any, state: State) -> ColumnElement[bool]:
+    """``tasks.state = state``, written so that no index on ``state`` can drive the
+    scan. Every transition names its rows by primary key; on PostgreSQL a prepared
+    statement's generic plan (or any plan made from statistics taken while few rows
+    had that state) may otherwise walk the state index, and so every PENDING or
+    RUNNING row of a backlog, on each claim, outcome and mark."""
+    column: ColumnElement[str] = tasks.c.state
+    return column.concat("") == state.value
+
+
+def bind(name: str, type_: Any, values: dict[str, Any] | None = None) -> Any:
+    """Bind parameter ``name``, holding its value when ``values`` is given (a statement
+    built for one call) and filled at execution otherwise (a statement built once)."""
+    if values is None:
+        return bindparam(name, type_=type_)
+    return bindparam(name, values[name], type_=type_)
+
+
 def dumps(value: Any) -> str:
     """Compact JSON, as stored in the text columns."""
     return json.dumps(value, separators=(",", ":"))
@@ -63,6 +99,8 @@ class StoreBase:
         #: Called after each commit with its transitions (logs, events, metrics, backends).
         self.listeners: list[Listener] = []
         self._local = threading.local()
+        #: Statements built once (see :meth:`_prepared`).
+        self._statements: dict[Hashable, Any] = {}
         # PostgreSQL: single-statement operations run in autocommit, one round trip
         # instead of BEGIN / statement / COMMIT
         self._autocommit = (
@@ -141,6 +179,98 @@ class StoreBase:
     def _insert(self, table: Any) -> Any:
         return (postgresql.insert if self.is_pg else sqlite.insert)(table)
 
+    def _prepared(self, key: Hashable, build: Callable[[], T]) -> T:
+        """The statement stored under ``key``, built by ``build()`` the first time.
+
+        Building a statement and computing its cache key costs more client CPU than
+        running it: the hot operations build theirs once, with bind parameters, and
+        only pass values afterwards (SQLAlchemy memoizes the cache key of a statement
+        object, and psycopg prepares a statement text it sees again)."""
+        stmt = self._statements.get(key)
+        if stmt is None:
+            stmt = self._statements[key] = build()
+        return stmt
+
+    @staticmethod
+    def _execute(
+        conn: Connection,
+        prepared: Any,
+        params: dict[str, Any],
+        build: Callable[[dict[str, Any]], Any],
+    ) -> Any:
+        """Run a statement built once (``prepared``) with ``params``. A caller's
+        stand-in for a connection that only takes a statement (the Django outbox) gets
+        a statement built for this call, with the values in its bind parameters
+        (``build(params)``)."""
+        if isinstance(conn, Connection):
+            return conn.execute(prepared, params)
+        return conn.execute(build(params))
+
+    def _move_statement(
+        self,
+        where: Sequence[ColumnElement[bool]],
+        frm: State,
+        to: State,
+        values: dict[str, Any] | None = None,
+        returning: Iterable[Any] = (),
+    ) -> tuple[Executable, Executable | None]:
+        """The compare-and-set ``frm -> to`` and, on SQLite, its separate audit insert.
+
+        ``reason`` and ``actor`` are bind parameters (``b_reason``, ``b_actor``): the
+        statement can be built once and run for any transition of this shape.
+        """
+        stmt = self._move_update(where, frm, to, values, returning)
+        if not self.is_pg:
+            audit = insert(self.t.transitions).values(
+                task_id=bindparam("b_task_id", type_=String),
+                from_state=frm.value,
+                to_state=to.value,
+                reason=_REASON,
+                actor=_ACTOR,
+                attempt=bindparam("b_attempt", type_=Integer),
+                at=db_now(),
+            )
+            return stmt, audit
+        moved, audit_cte = self._move_ctes(stmt, frm, to)
+        return select(moved).add_cte(audit_cte), None
+
+    def _move_update(
+        self,
+        where: Sequence[ColumnElement[bool]],
+        frm: State,
+        to: State,
+        values: dict[str, Any] | None = None,
+        returning: Iterable[Any] = (),
+    ) -> Any:
+        """The conditional UPDATE of a transition (bind parameter ``b_reason``)."""
+        states.check(frm, to)
+        t = self.t.tasks
+        return (
+            update(t)
+            .where(state_is(t, frm), *where)
+            .values(state=to.value, updated_at=db_now(), reason=_REASON, **(values or {}))
+            .returning(t.c.id, t.c.attempt, t.c.name, *returning)
+        )
+
+    def _move_ctes(self, stmt: Any, frm: State, to: State) -> tuple[Any, Any]:
+        """PostgreSQL: the UPDATE ``stmt`` as CTE ``moved`` and its audit insert as CTE
+        ``audit`` (a statement that selects from ``moved`` adds ``audit`` with
+        ``add_cte``; data-modifying CTEs must stay at the top level)."""
+        moved = stmt.cte("moved")
+        audit = insert(self.t.transitions).from_select(
+            ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+            select(
+                moved.c.id,
+                literal(frm.value, String),
+                literal(to.value, String),
+                _REASON,
+                _ACTOR,
+                moved.c.attempt,
+                db_now(),
+            ),
+        )
+        return moved, audit.cte("audit")
+
     def _move(
         self,
         conn: Connection,
@@ -158,46 +288,57 @@ class StoreBase:
         On PostgreSQL the state change and its audit rows are one statement (a
         data-modifying CTE), so a caller running only this is one round trip.
         """
-        states.check(frm, to)
-        t, tr = self.t.tasks, self.t.transitions
-        stmt = (
-            update(t)
-            .where(t.c.state == frm.value, *where)
-            .values(state=to.value, updated_at=db_now(), reason=reason, **(values or {}))
-            .returning(t.c.id, t.c.attempt, t.c.name, *returning)
-        )
-        if self.is_pg:
-            moved = stmt.cte("moved")
-            audit = insert(tr).from_select(
-                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
-                select(
-                    moved.c.id,
-                    literal(frm.value, String),
-                    literal(to.value, String),
-                    literal(reason, Text),
-                    literal(actor, String),
-                    moved.c.attempt,
-                    db_now(),
-                ),
-            )
-            rows = list(conn.execute(select(moved).add_cte(audit.cte("audit"))).all())
-        else:
-            rows = list(conn.execute(stmt).all())
+        statements = self._move_statement(where, frm, to, values, returning)
+        return self._run_move(conn, statements, {}, frm, to, reason=reason, actor=actor)
+
+    def _move_prepared(
+        self,
+        conn: Connection,
+        key: Hashable,
+        build: Callable[[], tuple[Sequence[ColumnElement[bool]], dict[str, Any], Iterable[Any]]],
+        params: dict[str, Any],
+        frm: State,
+        to: State,
+        *,
+        reason: str,
+        actor: str,
+    ) -> list[Row[Any]]:
+        """:meth:`_move` with a statement built once (``build()`` gives where, values
+        and returning, written with bind parameters that ``params`` fills)."""
+
+        def statements() -> tuple[Executable, Executable | None]:
+            where, values, returning = build()
+            return self._move_statement(where, frm, to, values, returning)
+
+        prepared = self._prepared(("move", key, frm, to), statements)
+        return self._run_move(conn, prepared, params, frm, to, reason=reason, actor=actor)
+
+    def _run_move(
+        self,
+        conn: Connection,
+        statements: tuple[Executable, Executable | None],
+        params: dict[str, Any],
+        frm: State,
+        to: State,
+        *,
+        reason: str,
+        actor: str,
+    ) -> list[Row[Any]]:
+        stmt, audit = statements
+        rows = list(conn.execute(stmt, {**params, "b_reason": reason, "b_actor": actor}).all())
         for row in rows:
             self._record_event(
                 TransitionEvent(row.id, row.name, frm, to, reason, actor, int(row.attempt))
             )
-        if rows and not self.is_pg:
+        if rows and audit is not None:
             conn.execute(
-                insert(self.t.transitions).values(at=db_now()),
+                audit,
                 [
                     {
-                        "task_id": row.id,
-                        "from_state": frm.value,
-                        "to_state": to.value,
-                        "reason": reason,
-                        "actor": actor,
-                        "attempt": row.attempt,
+                        "b_task_id": row.id,
+                        "b_attempt": row.attempt,
+                        "b_reason": reason,
+                        "b_actor": actor,
                     }
                     for row in rows
                 ],
@@ -220,14 +361,23 @@ class StoreBase:
     ) -> None:
         states.check(frm, to, task_id)
         self._record_event(TransitionEvent(task_id, None, frm, to, reason, actor, attempt))
-        conn.execute(
-            insert(self.t.transitions).values(
-                task_id=task_id,
-                from_state=frm.value if frm else None,
-                to_state=to.value,
-                reason=reason,
-                actor=actor,
-                attempt=attempt,
-                at=db_now(),
-            )
+        params = {
+            "b_task_id": task_id,
+            "b_from": frm.value if frm else None,
+            "b_to": to.value,
+            "b_reason": reason,
+            "b_actor": actor,
+            "b_attempt": attempt,
+        }
+        self._execute(conn, self._prepared("audit", self._audit_insert), params, self._audit_insert)
+
+    def _audit_insert(self, values: dict[str, Any] | None = None) -> Any:
+        return insert(self.t.transitions).values(
+            task_id=bind("b_task_id", String, values),
+            from_state=bind("b_from", String, values),
+            to_state=bind("b_to", String, values),
+            reason=bind("b_reason", Text, values),
+            actor=bind("b_actor", String, values),
+            attempt=bind("b_attempt", Integer, values),
+            at=db_now(),
         )

@@ -65,13 +65,16 @@ def create(config: LeaseConfig) -> Engine:
                 url,
                 pool_size=config.pool_size,
                 max_overflow=config.pool_size,
-                pool_pre_ping=True,
                 pool_recycle=1800,
+                # the most recently used connection first: a process in steady use keeps
+                # reusing warm connections and the others idle out (pinged if used again)
+                pool_use_lifo=True,
                 connect_args={"connect_timeout": 5},
             )
         except ImportError as error:
             raise MissingDependencyError(url.get_driver_name(), "postgres") from error
         _bound_stalled_transactions(engine, config)
+        _ping_when_idle(engine)
     else:
         raise ConfigurationError(
             f"lease_database_url {safe_url(url)}: only sqlite and postgresql are supported"
@@ -95,6 +98,44 @@ def _bound_stalled_transactions(engine: Engine, config: LeaseConfig) -> None:
         with dbapi_conn.cursor() as cur:
             cur.execute(f"SET idle_in_transaction_session_timeout = {timeout_ms}")
         dbapi_conn.commit()
+
+
+#: A pooled connection unused for longer than this is pinged before it is handed out.
+IDLE_PING_AFTER = 10.0
+
+_LAST_USED = "celery_lease_last_used"
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Ping a pooled connection at checkout only if it sat idle for ``IDLE_PING_AFTER``.
+
+    ``pool_pre_ping`` pings at every checkout: one extra round trip per statement,
+    since the store's hot operations are single autocommit statements. A connection in
+    steady use is known alive from its last statement a moment ago; one that sat idle
+    may have been dropped by a server restart, a firewall or an idle timeout, and is
+    pinged. A connection that dies between two uses anyway fails its statement as a
+    disconnect: SQLAlchemy invalidates it (and every older pooled connection) and the
+    store's :func:`retrying` runs the transaction again on a fresh connection.
+    """
+
+    @event.listens_for(engine.pool, "checkin")
+    def _on_checkin(dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info[_LAST_USED] = time.monotonic()
+
+    @event.listens_for(engine.pool, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        last = record.info.get(_LAST_USED)
+        if last is None or time.monotonic() - last < IDLE_PING_AFTER:
+            return  # fresh from connect(), or used a moment ago
+        try:
+            with dbapi_conn.cursor() as cur:
+                cur.execute("SELECT 1")
+            if not dbapi_conn.autocommit:
+                dbapi_conn.rollback()
+        except Exception as error:
+            # the pool discards this connection and checks out (or opens) another
+            raise exc.DisconnectionError(f"idle connection is gone: {error}") from error
 
 
 def _sqlite(url: URL, config: LeaseConfig) -> Engine:

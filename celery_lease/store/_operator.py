@@ -118,7 +118,10 @@ class OperatorMixin(StoreBase):
         """Rows, newest first, filtered by state, task name, age (seconds) and worker
         (incarnation id or node name)."""
         t, w = self.t.tasks, self.t.workers
-        q = self._record_query().order_by(t.c.created_at.desc(), t.c.id).limit(limit)
+        # SQLite's clock has millisecond resolution: rows created in the same millisecond
+        # come newest first by insertion order (rowid)
+        tie = t.c.id if self.is_pg else literal_column(f'"{t.name}".rowid').desc()
+        q = self._record_query().order_by(t.c.created_at.desc(), tie).limit(limit)
         if state is not None:
             q = q.where(t.c.state == State(state).value)
         if name is not None:

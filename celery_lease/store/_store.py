@@ -14,11 +14,14 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Float,
     Integer,
     Row,
     String,
     Text,
     and_,
+    any_,
+    bindparam,
     case,
     delete,
     func,
@@ -27,14 +30,18 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    true,
     update,
 )
+from sqlalchemy.dialects import postgresql
 
 from .. import policy, states
+from ..config import LeaseConfig
 from ..exceptions import SchemaOutOfDate
 from ..states import State
 from . import migrations
-from ._base import StoreBase, TransitionEvent
+from ._base import StoreBase, TransitionEvent, bind, state_is
+from ._marks import PublishedMarks
 from ._operator import OperatorMixin
 from ._sql import after, db_now, greatest, seconds_between
 from ._steps import StepsMixin
@@ -42,12 +49,40 @@ from ._types import Claim, Expiry, Lease, NewTask, Publishable, Refusal
 from ._workers import WorkersMixin
 from .schema import SCHEMA_VERSION
 
+#: Columns of a new row taken from :class:`NewTask` (bound as ``b_<name>``).
+_SUBMIT = (
+    "id",
+    "name",
+    "dedup_key",
+    "args",
+    "kwargs",
+    "options",
+    "lease_ttl",
+    "max_runtime",
+    "max_retries",
+    "on_timeout",
+    "on_exhausted",
+    "max_recoveries",
+)
+
+
+def _submit_params(new: NewTask) -> dict[str, Any]:
+    params = {f"b_{c}": getattr(new, c) for c in _SUBMIT}
+    params["b_countdown"] = new.countdown
+    params["b_eta"] = new.eta
+    return params
+
+
 #: Note for rows whose arguments could not be stored: they cannot be re-published.
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
 class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
+
+    def __init__(self, config: LeaseConfig) -> None:
+        super().__init__(config)
+        self._marks = PublishedMarks(self.mark_published)
 
     # -- schema -----------------------------------------------------------------------
 
@@ -84,94 +119,147 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         returns the existing row's id with ``created=False``.
 
         With ``conn`` the row joins the caller's transaction (transactional enqueue).
+        Without, the same transaction also records the rows waiting in
+        :meth:`mark_published_soon`.
         """
-        t = self.t.tasks
-        values: dict[str, Any] = {
-            "id": new.id,
-            "name": new.name,
-            "state": State.PENDING.value,
-            "dedup_key": new.dedup_key,
-            "args": new.args,
-            "kwargs": new.kwargs,
-            "options": new.options,
-            "lease_ttl": new.lease_ttl,
-            "max_runtime": new.max_runtime,
-            "max_retries": new.max_retries,
-            "on_timeout": new.on_timeout,
-            "on_exhausted": new.on_exhausted,
-            "max_recoveries": new.max_recoveries,
-            "created_at": db_now(),
-            "updated_at": db_now(),
-            "reason": "submitted",
-        }
-        if new.countdown is not None:
-            values["eta"] = after(db_now(), new.countdown)
-        elif new.eta is not None:
-            values["eta"] = new.eta
+        params = _submit_params(new)
+        countdown = new.countdown is not None
 
-        def op(conn: Connection, is_retry: bool) -> tuple[str, bool]:
-            stmt = self._insert(t).values(**values).on_conflict_do_nothing().returning(t.c.id)
-            created = conn.execute(stmt).scalar()
+        def op(conn: Connection, is_retry: bool, marks: Sequence[str] = ()) -> tuple[str, bool]:
+            insert_stmt = self._prepared(
+                ("submit", countdown), lambda: self._submit_insert(countdown)
+            )
+            created = self._execute(
+                conn, insert_stmt, params, lambda v: self._submit_insert(countdown, v)
+            ).scalar()
+            if marks:
+                self._mark(conn, marks)
             if created is not None:
                 self._audit(conn, new.id, None, State.PENDING, "submitted", "producer", 0)
                 return new.id, True
-            cond = t.c.id == new.id
-            if new.dedup_key is not None:
-                cond = or_(cond, t.c.dedup_key == new.dedup_key)
-            existing = conn.execute(select(t.c.id).where(cond).limit(1)).scalar()
+            existing = self._execute(
+                conn, self._prepared("existing", self._existing), params, self._existing
+            ).scalar()
             if existing is None:  # the conflicting row was purged meanwhile: insert again
                 return op(conn, is_retry)
             return str(existing), False
 
         if conn is not None:
             return op(conn, False)
-        if not self.is_pg:
-            return self._tx(op)
+        marks = self._marks.take()
+        try:
+            if not self.is_pg:
+                return self._tx(lambda conn, is_retry: op(conn, is_retry, marks))
 
-        tr = self.t.transitions
+            def fast(conn: Connection, _: bool) -> tuple[str, bool] | None:
+                # row, audit row, waiting "published" marks and the dedup answer in one
+                # statement: one round trip in autocommit
+                stmt = self._prepared(("submit-pg", countdown), lambda: self._submit_pg(countdown))
+                row = conn.execute(stmt, {**params, "b_marks": marks}).one()
+                if row.created is not None:
+                    self._record_event(
+                        TransitionEvent(
+                            new.id, new.name, None, State.PENDING, "submitted", "producer", 0
+                        )
+                    )
+                    return new.id, True
+                if row.existing is not None:
+                    return str(row.existing), False
+                return None  # a conflicting row this statement's snapshot cannot see
 
-        def fast(conn: Connection, _: bool) -> tuple[str, bool] | None:
-            # row and audit row in one statement: one round trip in autocommit
-            ins = self._insert(t).values(**values).on_conflict_do_nothing().returning(t.c.id)
-            inserted = ins.cte("inserted")
-            audit = insert(tr).from_select(
-                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
-                select(
-                    inserted.c.id,
-                    null(),
-                    literal(State.PENDING.value, String),
-                    literal("submitted", Text),
-                    literal("producer", String),
-                    literal(0, Integer),
-                    db_now(),
-                ),
+            return self._single_then(fast, op)
+        except BaseException:
+            self._marks.put_back(marks)
+            raise
+
+    def _submit_insert(self, countdown: bool, params: dict[str, Any] | None = None) -> Any:
+        t = self.t.tasks
+        values: dict[str, Any] = {c: bind(f"b_{c}", t.c[c].type, params) for c in _SUBMIT}
+        values.update(
+            state=State.PENDING.value,
+            created_at=db_now(),
+            updated_at=db_now(),
+            reason="submitted",
+            eta=(
+                after(db_now(), bind("b_countdown", Float, params))
+                if countdown
+                else bind("b_eta", t.c.eta.type, params)
+            ),
+        )
+        return self._insert(t).values(**values).on_conflict_do_nothing().returning(t.c.id)
+
+    def _existing(self, params: dict[str, Any] | None = None) -> Any:
+        t = self.t.tasks
+        return (
+            select(t.c.id)
+            .where(
+                or_(
+                    t.c.id == bind("b_id", t.c.id.type, params),
+                    t.c.dedup_key == bind("b_dedup_key", t.c.dedup_key.type, params),
+                )
             )
-            created = conn.execute(select(inserted.c.id).add_cte(audit.cte("audit"))).scalar()
-            if created is None:
-                return None
-            self._record_event(
-                TransitionEvent(new.id, new.name, None, State.PENDING, "submitted", "producer", 0)
-            )
-            return new.id, True
+            .limit(1)
+        )
 
-        return self._single_then(fast, op)
+    def _submit_pg(self, countdown: bool) -> Any:
+        t, tr = self.t.tasks, self.t.transitions
+        inserted = self._submit_insert(countdown).cte("inserted")
+        audit = insert(tr).from_select(
+            ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+            select(
+                inserted.c.id,
+                null(),
+                literal(State.PENDING.value, String),
+                literal("submitted", Text),
+                literal("producer", String),
+                literal(0, Integer),
+                db_now(),
+            ),
+        )
+        marked = self._mark_statement(
+            t.c.id == any_(bindparam("b_marks", type_=postgresql.ARRAY(String)))
+        )
+        # the statement's snapshot does not see its own insert: "existing" is the row
+        # that made the insert conflict (a duplicate dedup key or id)
+        return select(
+            select(inserted.c.id).scalar_subquery().label("created"),
+            self._existing().scalar_subquery().label("existing"),
+        ).add_cte(audit.cte("audit"), marked.cte("marked"))
+
+    def _mark_statement(self, which: ColumnElement[bool]) -> Any:
+        t = self.t.tasks
+        return (
+            update(t)
+            .where(which, state_is(t, State.PENDING), t.c.published_at.is_(None))
+            .values(published_at=db_now(), publish_count=t.c.publish_count + 1)
+        )
+
+    def _mark(self, conn: Connection, ids: Sequence[str]) -> None:
+        t = self.t.tasks
+        stmt = self._prepared(
+            "mark",
+            lambda: self._mark_statement(t.c.id.in_(bindparam("b_ids", expanding=True))),
+        )
+        conn.execute(stmt, {"b_ids": list(ids)})
 
     def mark_published(self, ids: Sequence[str]) -> None:
         """Record that these PENDING rows' messages were handed to the broker."""
-        if not ids:
-            return
-        t = self.t.tasks
+        if ids:
+            self._tx(lambda conn, _: self._mark(conn, ids), single=True)
 
-        def op(conn: Connection, _: bool) -> None:
-            conn.execute(
-                update(t)
-                .where(
-                    t.c.id.in_(ids), t.c.state == State.PENDING.value, t.c.published_at.is_(None)
-                )
-                .values(published_at=db_now(), publish_count=t.c.publish_count + 1)
-            )
+    def mark_published_soon(self, task_id: str) -> None:
+        """:meth:`mark_published` for one row, recorded a few milliseconds later with
+        others (in this process's next submit, or in one statement for many rows).
 
-        self._tx(op, single=True)
+        Until then the row looks unpublished; if this process dies first, the reaper
+        publishes the row again after ``lease_publish_grace`` and the extra message is
+        dropped at claim.
+        """
+        self._marks.add(task_id)
+
+    def flush_published(self) -> None:
+        """Record every row waiting in :meth:`mark_published_soon` now."""
+        self._marks.flush()
 
     def discard_unpublished(self, task_id: str) -> None:
         """Delete a row whose message could not be built (nothing was published)."""
@@ -205,16 +293,8 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         anything else is refused."""
         t = self.t.tasks
         token = uuid.uuid4().hex
-        claim_values = {
-            "attempt": t.c.attempt + 1,
-            "token": token,
-            "owner": owner,
-            "started_at": db_now(),
-            "progress_at": db_now(),
-            "finished_at": None,
-            "next_retry_at": None,
-        }
-        returning = (t.c.retries, t.c.recoveries, t.c.cancel_requested_at)
+        reason = f"claimed by {actor}"
+        params = {"b_task_id": task_id, "b_token": token, "b_owner": owner}
 
         def claimed(r: Row[Any], adopted: bool) -> Claim:
             return Claim(
@@ -225,30 +305,43 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 cancel_requested=r.cancel_requested_at is not None,
             )
 
-        # a message that arrives before its ETA by database time (a worker whose clock
-        # runs ahead) is not claimed: it is published again with the remaining delay
-        due = or_(t.c.eta.is_(None), t.c.eta <= db_now())
-
         def move(conn: Connection) -> list[Row[Any]]:
-            return self._move(
+            return self._move_prepared(
                 conn,
-                [t.c.id == task_id, due],
+                "claim",
+                self._claim_spec,
+                params,
                 State.PENDING,
                 State.RUNNING,
-                reason=f"claimed by {actor}",
+                reason=reason,
                 actor=actor,
-                values=claim_values,
-                returning=returning,
             )
 
-        def fast(conn: Connection, _: bool) -> Claim | None:
-            rows = move(conn)
-            return claimed(rows[0], False) if rows else None
+        def fast(conn: Connection, _: bool) -> Claim | Refusal | None:
+            # the claim, its audit row and, when it fails, the row's state: one statement
+            stmt = self._prepared("claim-pg", self._claim_pg)
+            row = conn.execute(stmt, {**params, "b_reason": reason, "b_actor": actor}).first()
+            if row is None:
+                return None  # no row: adopt it, or refuse, in a transaction
+            if row.attempt is not None:
+                self._record_event(
+                    TransitionEvent(
+                        task_id, row.name, State.PENDING, State.RUNNING, reason, actor, row.attempt
+                    )
+                )
+                return claimed(row, False)
+            if row.state == State.PENDING.value or row.token == token:
+                # not due yet, or a claim that raced this one (the snapshot predates it),
+                # or our own first try whose answer was lost: decided in a transaction
+                return None
+            state = State(row.state)
+            return Refusal(task_id, state, f"task is {state}")
 
         def op(conn: Connection, is_retry: bool) -> Claim | Refusal:
             rows = move(conn)
             adopted = False
             if not rows:
+                due = self._claim_spec()[0][1]
                 row = conn.execute(
                     select(t.c.state, t.c.token, ~due.self_group()).where(t.c.id == task_id)
                 ).first()
@@ -260,7 +353,9 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                     rows = move(conn)  # an adopted row has no ETA: due at once
                 elif row is not None and is_retry and row.token == token:
                     # the first try committed but its answer was lost
-                    again = select(t.c.id, t.c.attempt, *returning).where(t.c.id == task_id)
+                    again = select(t.c.id, t.c.attempt, *self._claim_spec()[2]).where(
+                        t.c.id == task_id
+                    )
                     rows = list(conn.execute(again))
                 else:
                     state = State(row.state) if row is not None else None
@@ -268,7 +363,53 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                     return Refusal(task_id, state, why)
             return claimed(rows[0], adopted)
 
+        if not self.is_pg:
+            return self._tx(op)
         return self._single_then(fast, op)
+
+    def _claim_spec(
+        self,
+    ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
+        """Where, values and returning of a claim, with bind parameters ``b_task_id``,
+        ``b_token`` and ``b_owner``."""
+        t = self.t.tasks
+        # a message that arrives before its ETA by database time (a worker whose clock
+        # runs ahead) is not claimed: it is published again with the remaining delay
+        due = or_(t.c.eta.is_(None), t.c.eta <= db_now())
+        values = {
+            "attempt": t.c.attempt + 1,
+            "token": bindparam("b_token", type_=t.c.token.type),
+            "owner": bindparam("b_owner", type_=t.c.owner.type),
+            "started_at": db_now(),
+            "progress_at": db_now(),
+            "finished_at": None,
+            "next_retry_at": None,
+        }
+        where = [t.c.id == bindparam("b_task_id", type_=t.c.id.type), due]
+        return where, values, (t.c.retries, t.c.recoveries, t.c.cancel_requested_at)
+
+    def _claim_pg(self) -> Any:
+        t = self.t.tasks
+        where, values, returning = self._claim_spec()
+        update_stmt = self._move_update(where, State.PENDING, State.RUNNING, values, returning)
+        moved, audit = self._move_ctes(update_stmt, State.PENDING, State.RUNNING)
+        row = t.alias("row")
+        # one row per existing task: the claim's answer, or (claim refused) the state the
+        # statement's snapshot saw; no row when the task has none
+        return (
+            select(
+                moved.c.attempt,
+                moved.c.name,
+                moved.c.retries,
+                moved.c.recoveries,
+                moved.c.cancel_requested_at,
+                row.c.state,
+                row.c.token,
+            )
+            .select_from(row.outerjoin(moved, true()))
+            .where(row.c.id == bindparam("b_task_id", type_=t.c.id.type))
+            .add_cte(audit)
+        )
 
     def _adopt(self, conn: Connection, new: NewTask) -> None:
         t = self.t.tasks
@@ -321,14 +462,21 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             sources.append(State.WAIT_MANUAL)
 
         def fast(conn: Connection, _: bool) -> bool | None:
-            moved = self._move(
+            moved = self._move_prepared(
                 conn,
-                self._fenced(lease),
+                ("finish", to),
+                self._finish_spec,
+                {
+                    "b_task_id": lease.task_id,
+                    "b_attempt": lease.attempt,
+                    "b_token": lease.token,
+                    "b_result": result,
+                    "b_error": error,
+                },
                 State.RUNNING,
                 to,
                 reason=reason,
                 actor=actor,
-                values=values,
             )
             return True if moved else None
 
@@ -346,6 +494,22 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             return False
 
         return self._single_then(fast, op)
+
+    def _finish_spec(self) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
+        """Where and values of an outcome, fenced by bind parameters ``b_task_id``,
+        ``b_attempt`` and ``b_token``; ``b_result`` and ``b_error`` are stored."""
+        t = self.t.tasks
+        where = [
+            t.c.id == bindparam("b_task_id", type_=t.c.id.type),
+            t.c.attempt == bindparam("b_attempt", type_=t.c.attempt.type),
+            t.c.token == bindparam("b_token", type_=t.c.token.type),
+        ]
+        values = {
+            "finished_at": db_now(),
+            "result": bindparam("b_result", type_=t.c.result.type),
+            "error": bindparam("b_error", type_=t.c.error.type),
+        }
+        return where, values, ()
 
     def schedule_retry(
         self, lease: Lease, delay: float, *, actor: str, reason: str, error: str | None
