@@ -65,6 +65,7 @@ def _run(
     submit: Callable[[], Any],
     point: CrashPoint | None,
     effects: SideEffects | None,
+    ignored: frozenset[str],
     timeout: float,
 ) -> CrashRun:
     before = effects.counts() if effects is not None else {}
@@ -84,7 +85,8 @@ def _run(
     after = effects.counts() if effects is not None else {}
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     steps = {s.name: s.state for s in worker.store.steps(task_id)}
-    return CrashRun(point, record, steps, {k: v for k, v in delta.items() if v})
+    counted = {k: v for k, v in delta.items() if v and k not in ignored}
+    return CrashRun(point, record, steps, counted)
 
 
 def assert_crash_safe(
@@ -95,6 +97,7 @@ def assert_crash_safe(
     points: Sequence[CrashPoint] | None = None,
     manual: Collection[CrashPoint | str] = (),
     compare_results: bool = True,
+    ignore_effects: Collection[str] = (),
     timeout: float = 60.0,
 ) -> CrashMatrix:
     """Run a task without a crash, then once per crash point, and compare the ends.
@@ -121,6 +124,8 @@ def assert_crash_safe(
             baseline run recorded them; see :func:`crash_points`).
         manual: the points after which a person must decide.
         compare_results: compare the tasks' results with the baseline's.
+        ignore_effects: names counted for the test's own bookkeeping (attempts, say),
+            which a re-run legitimately repeats.
         timeout: seconds each run may take.
 
     Returns:
@@ -129,10 +134,11 @@ def assert_crash_safe(
     Raises:
         AssertionError: listing every run that differs, with the whole table.
     """
-    baseline = _run(worker, submit, None, effects, timeout)
+    ignored = frozenset(ignore_effects)
+    baseline = _run(worker, submit, None, effects, ignored, timeout)
     if points is None:
         points = crash_points(baseline.record.name, list(baseline.steps))
-    runs = [_run(worker, submit, point, effects, timeout) for point in points]
+    runs = [_run(worker, submit, point, effects, ignored, timeout) for point in points]
     matrix = CrashMatrix(baseline, runs)
     problems: list[str] = []
     for run in runs:

@@ -157,7 +157,8 @@ class LeaseWorker(WorkerProcess):
         return wait_until(running, timeout=timeout, message=f"{task_id} never ran on {self!r}")
 
     def kill_task(self, task: Any, sig: int = signal.SIGKILL, timeout: float = 30.0) -> int:
-        """SIGKILL the pool process running ``task`` (wait until it runs); return its pid.
+        """SIGKILL the pool process running ``task`` (wait until it runs, then until the
+        process is gone); return its pid.
 
         With the ``solo`` or ``threads`` pool the task runs in the main process: this
         kills the whole worker.
@@ -166,14 +167,20 @@ class LeaseWorker(WorkerProcess):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
         if pid == self.pid:
-            self.kill()
+            self.kill(sig)
+        elif sig == signal.SIGKILL:
+            wait_until(lambda: not pid_alive(pid), timeout=10, message=f"pid {pid} survived")
         return pid
 
     def freeze(self) -> None:
         """SIGSTOP the whole worker: alive to the kernel, silent to everyone else."""
         self.signal_group(signal.SIGSTOP)
-        main = self.require_pid()
-        wait_until(lambda: pid_state(main) == "T", timeout=10, message=f"{self!r} never froze")
+        self.require_pid()
+        wait_until(
+            lambda: all(pid_state(p) == "T" for p in self.group()),
+            timeout=10,
+            message=f"{self!r} never froze",
+        )
 
     def thaw(self) -> None:
         """SIGCONT the whole worker after :meth:`freeze`."""

@@ -19,6 +19,7 @@ import contextlib
 import os
 import sys
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -88,22 +89,32 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # -- which app ------------------------------------------------------------------------------
 
 
+_SPECS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
 def app_path(app: Any) -> str:
-    """The ``module:attribute`` under which ``app`` can be imported (for ``celery -A``)."""
+    """What ``celery -A`` takes to import ``app``: the ini option it came from, or a
+    module holding it (the one named like the app first; test modules last)."""
+    with contextlib.suppress(TypeError):
+        if app in _SPECS:
+            return _SPECS[app]
     found = []
     for name, module in list(sys.modules.items()):
-        if name == "__main__" or module is None:
+        if name == "__main__" or module is None or not getattr(module, "__file__", None):
             continue
         with contextlib.suppress(Exception):
-            for attr, value in vars(module).items():
-                if value is app and getattr(module, "__file__", None):
-                    found.append(f"{name}:{attr}")
+            found += [f"{name}:{attr}" for attr, value in vars(module).items() if value is app]
     if not found:
         raise pytest.UsageError(
             f"cannot find a module that holds {app!r}: make lease_app return 'module:attr'"
         )
-    # the module that defines it rather than one that re-exports it: the longest name
-    return sorted(found, key=lambda p: (-len(p.split(":")[0]), p))[0]
+
+    def rank(path: str) -> tuple[bool, bool, str]:
+        module = path.split(":")[0]
+        base = module.rsplit(".", 1)[-1]
+        return module != getattr(app, "main", None), base.startswith(("test_", "conftest")), path
+
+    return sorted(found, key=rank)[0]
 
 
 @pytest.fixture
@@ -118,7 +129,9 @@ def lease_app(request: pytest.FixtureRequest) -> Any:
         )
     from celery.app.utils import find_app
 
-    return find_app(spec)
+    app = find_app(spec)
+    _SPECS[app] = spec
+    return app
 
 
 # -- the store ------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ Run with ``python -m pytest examples/payments`` (Redis on 127.0.0.1:6379, or
 
 from __future__ import annotations
 
+from payments.app import settle_invoice
+
 from celery_lease import State
 from celery_lease.testing import (
     CrashPoint,
@@ -16,7 +18,6 @@ from celery_lease.testing import (
     assert_crash_safe,
     assert_finished,
 )
-from payments.app import settle_invoice
 
 
 def test_an_invoice_is_charged_once(lease_worker: LeaseWorker, lease_effects: SideEffects):
