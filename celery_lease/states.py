@@ -37,6 +37,11 @@ CANCELLABLE: frozenset[State] = frozenset(
 #: States an operator may send back to PENDING.
 RETRYABLE: frozenset[State] = frozenset({State.WAIT_MANUAL, State.FAILED, State.TIMEOUT})
 
+#: A recorded step's state: STARTED until its call returned (then its outcome is
+#: unknown to a re-run), DONE once its result is stored.
+STEP_STARTED = "STARTED"
+STEP_DONE = "DONE"
+
 _S = State
 
 #: (from, to) -> who may make that change. ``None`` as *from* is the row's creation.
