@@ -31,8 +31,6 @@ STATS_WINDOW = 3600.0
 #: Run durations read per ``stats()`` call at most (the most recent ones).
 _DURATION_SAMPLE = 10_000
 _FINISHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
-#: Where a person may fail or resolve a task (RUNNING -> FAILED/SUCCEEDED is the task's own).
-_DECIDABLE = (State.WAIT_MANUAL,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +188,6 @@ class Admin:
             State.PENDING,
             actor=who,
             reason=reason or f"retried by {who}",
-            allowed=tuple(RETRYABLE),
         )
         Reaper(self.app, actor=f"admin:{who}", store=store).publish(store.take_pending([task_id]))
         return frm
@@ -203,7 +200,6 @@ class Admin:
             State.FAILED,
             actor=actor or default_actor(),
             reason=_required(reason),
-            allowed=_DECIDABLE,
         )
 
     def resolve(
@@ -223,7 +219,6 @@ class Admin:
             actor=actor or default_actor(),
             reason=_required(reason),
             result=text,
-            allowed=_DECIDABLE,
         )
 
     def cancel(

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from .states import STEP_DONE, STEP_STARTED, State, is_legal
+from .states import RETRYABLE, STEP_DONE, STEP_STARTED, State, is_legal
 from .store import Store
 
 #: Kind of violation -> what it means (the CLI prints these).
@@ -78,9 +78,6 @@ _EPSILON = timedelta(milliseconds=2)
 
 #: Tasks checked per round trip (bounded memory on a large store).
 _PAGE = 500
-
-#: States an operator may send back to PENDING (the transition's source).
-_OPERATOR_RETRY_SOURCES = frozenset({State.WAIT_MANUAL, State.FAILED, State.TIMEOUT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,7 +365,7 @@ def _check_unknown_outcome(
         )
         return
     for row in trail[end_index + 1 :]:
-        if row.to is State.PENDING and row.frm in _OPERATOR_RETRY_SOURCES:
+        if row.to is State.PENDING and row.frm in RETRYABLE:
             return  # an operator retry (it also deletes such a step; kept here = raced)
         if (row.frm, row.to) == (State.PENDING, State.RUNNING) and row.attempt > step.attempt:
             yield Violation(

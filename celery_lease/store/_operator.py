@@ -9,23 +9,9 @@ from sqlalchemy import Connection, delete, select, update
 
 from .. import states
 from ..exceptions import TaskNotFound
-from ..states import STEP_DONE, State
+from ..states import STEP_DONE, Actor, State
 from ._reads import ReadsMixin
 from ._sql import db_now
-
-#: What a person may do, by target state (the rest of the table belongs to machines).
-OPERATOR_SOURCES: dict[State, tuple[State, ...]] = {
-    State.PENDING: (State.WAIT_MANUAL, State.FAILED, State.TIMEOUT),
-    State.FAILED: (State.WAIT_MANUAL,),
-    State.SUCCEEDED: (State.WAIT_MANUAL,),
-    State.CANCELLED: (
-        State.PENDING,
-        State.RETRY_WAIT,
-        State.TIMEOUT,
-        State.WAIT_MANUAL,
-        State.FAILED,
-    ),
-}
 
 
 class OperatorMixin(ReadsMixin):
@@ -60,7 +46,7 @@ class OperatorMixin(ReadsMixin):
 
         def op(conn: Connection, _: bool) -> State:
             frm = self._lock_state(conn, task_id)
-            permitted = OPERATOR_SOURCES.get(to, ()) if allowed is None else allowed
+            permitted = states.sources(to, Actor.OPERATOR) if allowed is None else allowed
             if frm not in permitted or not states.is_legal(frm, to):
                 from ..exceptions import IllegalTransition
 

@@ -38,7 +38,7 @@ from sqlalchemy.dialects import postgresql
 from .. import policy, states
 from ..config import LeaseConfig
 from ..exceptions import SchemaOutOfDate
-from ..states import STEP_STARTED, State
+from ..states import STEP_STARTED, Actor, State
 from . import migrations
 from ._base import StoreBase, TransitionEvent, bind, state_is
 from ._marks import PublishedMarks
@@ -456,10 +456,9 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         fenced by attempt and token. ``False``: the lease was lost; nothing was written."""
         t = self.t.tasks
         values: dict[str, Any] = {"finished_at": db_now(), "result": result, "error": error}
-        sources = [State.RUNNING]
-        if states.is_legal(State.WAIT_MANUAL, to) and to is not State.CANCELLED:
-            # over max_runtime the row went to WAIT_MANUAL but its owner kept running
-            sources.append(State.WAIT_MANUAL)
+        # RUNNING first; over max_runtime the row went to WAIT_MANUAL but its owner kept
+        # running, and may still finish from there
+        sources = sorted(states.sources(to, Actor.TASK), key=lambda s: s is not State.RUNNING)
 
         def fast(conn: Connection, _: bool) -> bool | None:
             moved = self._move_prepared(
