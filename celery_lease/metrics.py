@@ -16,6 +16,7 @@ to_state}``
 {worker,hostname}``                                        stopped) incarnation's heartbeat
 ``celery_lease_worker_alive{worker}``           gauge      1 while its heartbeat is within TTL
 ``celery_lease_worker_running_tasks{worker}``   gauge      RUNNING tasks it owns
+``celery_lease_purged_total``                   counter    finished rows deleted by retention
 ==============================================  =========  ==================================
 
 The counters are read from the audit table incrementally: rows older than a settle
@@ -47,6 +48,11 @@ logger = logging.getLogger("celery_lease.metrics")
 SETTLE = 60.0
 
 _Pair = tuple[str, str]
+
+#: Counters kept in the ``counters`` table (they count events that leave no row).
+_COUNTERS = {
+    "purged": "Finished rows deleted by retention (lease_retention)",
+}
 
 
 def _prometheus() -> Any:
@@ -156,6 +162,12 @@ class LeaseCollector:
         )
         recoveries.add_metric([], totals.get((State.RUNNING.value, State.TIMEOUT.value), 0))
         yield recoveries
+
+        counts_total = store.counters()
+        for name, help_text in _COUNTERS.items():
+            family = core.CounterMetricFamily(f"celery_lease_{name}", help_text)
+            family.add_metric([], counts_total.get(name, 0))
+            yield family
 
         now = store.now()
         age = core.GaugeMetricFamily(

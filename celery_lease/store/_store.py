@@ -43,6 +43,7 @@ from . import migrations
 from ._base import StoreBase, TransitionEvent, bind, state_is
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
+from ._retention import RetentionMixin
 from ._sql import after, db_now, greatest, seconds_between
 from ._steps import StepsMixin
 from ._types import Claim, Expiry, Lease, NewTask, Publishable, Refusal
@@ -77,7 +78,7 @@ def _submit_params(new: NewTask) -> dict[str, Any]:
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
-class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
+class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, StoreBase):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
 
     def __init__(self, config: LeaseConfig) -> None:
