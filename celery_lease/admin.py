@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import func, select
 
 from ._execution import encode
 from ._runtime import default_actor, runtime
@@ -22,7 +21,6 @@ from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State
 from .store import Store
-from .store._sql import after, db_now, seconds_between
 
 #: States ``purge`` deletes by default: finished work nobody will act on.
 PURGEABLE_DEFAULT = (State.SUCCEEDED, State.CANCELLED)
@@ -33,8 +31,6 @@ STATS_WINDOW = 3600.0
 #: Run durations read per ``stats()`` call at most (the most recent ones).
 _DURATION_SAMPLE = 10_000
 _FINISHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
-#: Where a person may fail or resolve a task (RUNNING -> FAILED/SUCCEEDED is the task's own).
-_DECIDABLE = (State.WAIT_MANUAL,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +152,9 @@ class Admin:
             raise ValueError("window must be a positive number of seconds")
         store = self.store
         counts = store.counts()
-        finished = _finished_counts(store, window)
+        finished = store.finished_counts(_FINISHED, window)
         total = sum(finished.values())
-        durations = _run_durations(store, window)
+        durations = store.run_durations(window, limit=_DURATION_SAMPLE)
         return Stats(
             counts=counts,
             running=counts[State.RUNNING],
@@ -192,7 +188,6 @@ class Admin:
             State.PENDING,
             actor=who,
             reason=reason or f"retried by {who}",
-            allowed=tuple(RETRYABLE),
         )
         Reaper(self.app, actor=f"admin:{who}", store=store).publish(store.take_pending([task_id]))
         return frm
@@ -205,7 +200,6 @@ class Admin:
             State.FAILED,
             actor=actor or default_actor(),
             reason=_required(reason),
-            allowed=_DECIDABLE,
         )
 
     def resolve(
@@ -225,7 +219,6 @@ class Admin:
             actor=actor or default_actor(),
             reason=_required(reason),
             result=text,
-            allowed=_DECIDABLE,
         )
 
     def cancel(
@@ -255,14 +248,7 @@ class Admin:
         self, *, older_than: float, states: Sequence[State | str] = PURGEABLE_DEFAULT
     ) -> int:
         """How many tasks :meth:`purge` would delete now with these arguments."""
-        chosen = _purge_states(older_than, states)
-        store = self.store
-        t = store.t.tasks
-        q = select(func.count()).where(
-            t.c.state.in_([s.value for s in chosen]),
-            after(func.coalesce(t.c.finished_at, t.c.updated_at), older_than) < db_now(),
-        )
-        return int(store._read(lambda conn: conn.execute(q).scalar_one()))
+        return self.store.purgeable_count(_purge_states(older_than, states), older_than)
 
     def purge(
         self,
@@ -319,39 +305,6 @@ def _purge_states(older_than: float, states: Sequence[State | str]) -> list[Stat
             f"purge deletes finished tasks only, not {', '.join(s.value for s in live)}"
         )
     return chosen
-
-
-def _finished_counts(store: Store, window: float) -> dict[State, int]:
-    t = store.t.tasks
-    q = (
-        select(t.c.state, func.count())
-        .where(
-            t.c.state.in_([s.value for s in _FINISHED]),
-            t.c.finished_at >= after(db_now(), -window),
-        )
-        .group_by(t.c.state)
-    )
-    rows = store._read(lambda conn: conn.execute(q).all())
-    out = dict.fromkeys(_FINISHED, 0)
-    for state, count in rows:
-        out[State(state)] = int(count)
-    return out
-
-
-def _run_durations(store: Store, window: float) -> list[float]:
-    t = store.t.tasks
-    q = (
-        select(seconds_between(t.c.finished_at, t.c.started_at))
-        .where(
-            t.c.state.in_([State.SUCCEEDED.value, State.FAILED.value]),
-            t.c.finished_at >= after(db_now(), -window),
-            t.c.started_at.is_not(None),
-        )
-        .order_by(t.c.finished_at.desc())
-        .limit(_DURATION_SAMPLE)
-    )
-    rows = store._read(lambda conn: conn.execute(q).scalars().all())
-    return [max(0.0, float(v)) for v in rows if v is not None]
 
 
 def admin(app: Celery) -> Admin:
