@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import func, select
 
 from ._execution import encode
 from ._runtime import default_actor, runtime
@@ -22,7 +21,6 @@ from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State
 from .store import Store
-from .store._sql import after, db_now
 
 #: States ``purge`` deletes by default: finished work nobody will act on.
 PURGEABLE_DEFAULT = (State.SUCCEEDED, State.CANCELLED)
@@ -31,8 +29,6 @@ PURGEABLE = frozenset({State.SUCCEEDED, State.CANCELLED, State.FAILED})
 #: Seconds of history ``stats()`` summarizes by default (run durations, rates).
 STATS_WINDOW = 3600.0
 _FINISHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
-#: Where a person may fail or resolve a task (RUNNING -> FAILED/SUCCEEDED is the task's own).
-_DECIDABLE = (State.WAIT_MANUAL,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +165,7 @@ class Admin:
         counts, estimated = state_counts(store)
         tasks = task_health(store, window)
         totals: dict[State, int] = dict.fromkeys(_FINISHED, 0)
-        for f in store.finished_counts(window):
+        for f in store.finished_by_name(window):
             totals[f.state] += f.count
         total = sum(totals.values())
         durations = [r.seconds for r in store.recent_runtimes(window, DURATION_SAMPLE)]
@@ -213,7 +209,6 @@ class Admin:
             State.PENDING,
             actor=who,
             reason=reason or f"retried by {who}",
-            allowed=tuple(RETRYABLE),
         )
         Reaper(self.app, actor=f"admin:{who}", store=store).publish(store.take_pending([task_id]))
         return frm
@@ -226,7 +221,6 @@ class Admin:
             State.FAILED,
             actor=actor or default_actor(),
             reason=_required(reason),
-            allowed=_DECIDABLE,
         )
 
     def resolve(
@@ -246,7 +240,6 @@ class Admin:
             actor=actor or default_actor(),
             reason=_required(reason),
             result=text,
-            allowed=_DECIDABLE,
         )
 
     def cancel(
@@ -276,14 +269,7 @@ class Admin:
         self, *, older_than: float, states: Sequence[State | str] = PURGEABLE_DEFAULT
     ) -> int:
         """How many tasks :meth:`purge` would delete now with these arguments."""
-        chosen = _purge_states(older_than, states)
-        store = self.store
-        t = store.t.tasks
-        q = select(func.count()).where(
-            t.c.state.in_([s.value for s in chosen]),
-            after(func.coalesce(t.c.finished_at, t.c.updated_at), older_than) < db_now(),
-        )
-        return int(store._read(lambda conn: conn.execute(q).scalar_one()))
+        return self.store.purgeable_count(_purge_states(older_than, states), older_than)
 
     def purge(
         self,

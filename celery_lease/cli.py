@@ -36,7 +36,7 @@ from .exceptions import (
     StoreError,
     TaskNotFound,
 )
-from .states import TERMINAL, State
+from .states import STEP_DONE, State, action_sources
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -409,15 +409,15 @@ def actions(record: Any, steps: Sequence[Any], app_option: str) -> list[dict[str
     base = f"celery -A {app_option} lease"
     tid = record.id
     out: list[dict[str, str]] = []
-    unknown = [s.name for s in steps if s.state != "DONE" and not s.idempotent]
-    if record.state in (State.WAIT_MANUAL, State.FAILED, State.TIMEOUT):
+    unknown = [s.name for s in steps if s.state != STEP_DONE and not s.idempotent]
+    if record.state in action_sources("retry"):
         what = "run it again; completed steps are kept and not re-run"
         if unknown:
             what += f"; step {', '.join(map(repr, unknown))} runs again"
         out.append(
             {"action": "retry", "what": what, "command": f'{base} retry {tid} --reason "..."'}
         )
-    if record.state is State.WAIT_MANUAL:
+    if record.state in action_sources("resolve"):
         out.append(
             {
                 "action": "resolve",
@@ -425,6 +425,7 @@ def actions(record: Any, steps: Sequence[Any], app_option: str) -> list[dict[str
                 "command": f"{base} resolve {tid} --reason \"...\" [--result '<json>']",
             }
         )
+    if record.state in action_sources("fail"):
         out.append(
             {
                 "action": "fail",
@@ -432,7 +433,7 @@ def actions(record: Any, steps: Sequence[Any], app_option: str) -> list[dict[str
                 "command": f'{base} fail {tid} --reason "..."',
             }
         )
-    if record.state not in TERMINAL:
+    if record.state in action_sources("cancel"):
         what = "stop it for good"
         if record.state is State.RUNNING:
             what = "ask it to stop at its next step boundary (--terminate also kills it)"
@@ -514,7 +515,7 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if steps:
         table = Table(["NAME", "STATE", "IDEMPOTENT", "ATTEMPT", "STARTED", "RESULT"], {}, 2)
         for s in steps:
-            if s.state == "DONE":
+            if s.state == STEP_DONE:
                 result = json.dumps(s.result)
             else:
                 result = "(not finished)" if s.idempotent else "(outcome unknown)"
@@ -548,7 +549,7 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if record.state is State.WAIT_MANUAL:
         heading("Waiting for a person")
         click.echo(f"  why: {record.reason or 'no reason recorded'}")
-        unknown = [s for s in steps if s.state != "DONE" and not s.idempotent]
+        unknown = [s for s in steps if s.state != STEP_DONE and not s.idempotent]
         for s in unknown:
             click.echo(
                 f"  step {s.name!r} started in attempt {s.attempt} but its outcome is not "

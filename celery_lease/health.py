@@ -89,7 +89,7 @@ class TaskHealth:
 def task_health(store: Store, window: float, sample: int = DURATION_SAMPLE) -> list[TaskHealth]:
     """Health of every task name with a run in the window or a PENDING row, by name."""
     counts: dict[str, dict[State, int]] = defaultdict(lambda: defaultdict(int))
-    for f in store.finished_counts(window):
+    for f in store.finished_by_name(window):
         counts[f.name][f.state] += f.count
     durations: dict[str, list[float]] = defaultdict(list)
     limits: dict[str, tuple[float | None, float]] = {}

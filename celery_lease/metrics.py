@@ -53,14 +53,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import Connection, func, select
 
 from ._runtime import runtime
 from .exceptions import CeleryLeaseError, MissingDependencyError
 from .health import TaskHealth, state_counts, task_health
 from .states import State
 from .store import Store
-from .store._sql import after, db_now
 
 logger = logging.getLogger("celery_lease.metrics")
 
@@ -161,38 +159,14 @@ class TransitionTotals:
 
     def read(self, store: Store) -> dict[_Pair, int]:
         """Totals by (from_state, to_state); a row's creation counts as from ``"none"``."""
-        tr = store.t.transitions
         with self._lock:
-            base_id = self._base_id
-
-            def query(conn: Connection) -> tuple[int, list[Any], list[Any]]:
-                first_fresh = conn.execute(
-                    select(func.min(tr.c.id)).where(
-                        tr.c.id > base_id, tr.c.at >= after(db_now(), -self.settle)
-                    )
-                ).scalar()
-                if first_fresh is not None:
-                    upto = int(first_fresh) - 1
-                else:
-                    upto = int(conn.execute(select(func.max(tr.c.id))).scalar() or base_id)
-                pairs = (tr.c.from_state, tr.c.to_state)
-                folded = conn.execute(
-                    select(*pairs, func.count())
-                    .where(tr.c.id > base_id, tr.c.id <= upto)
-                    .group_by(*pairs)
-                ).all()
-                fresh = conn.execute(
-                    select(*pairs, func.count()).where(tr.c.id > upto).group_by(*pairs)
-                ).all()
-                return max(upto, base_id), list(folded), list(fresh)
-
-            upto, folded, fresh = store._read(query)
-            for frm, to, n in folded:
-                self._base[(frm or "none", to)] += int(n)
-            self._base_id = upto
+            counts = store.transition_counts(self._base_id, settle=self.settle)
+            for frm, to, n in counts.settled:
+                self._base[(frm or "none", to)] += n
+            self._base_id = counts.upto
             totals = collections.Counter(self._base)
-        for frm, to, n in fresh:
-            totals[(frm or "none", to)] += int(n)
+        for frm, to, n in counts.fresh:
+            totals[(frm or "none", to)] += n
         return dict(totals)
 
 

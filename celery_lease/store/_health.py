@@ -78,7 +78,7 @@ class HealthMixin(StoreBase):
             out[State(state)] = int(count)
         return out
 
-    def finished_counts(self, window: float) -> list[Finished]:
+    def finished_by_name(self, window: float) -> list[Finished]:
         """Tasks finished (SUCCEEDED, FAILED, CANCELLED) in the last ``window`` seconds,
         by task name and state."""
         t = self.t.tasks
