@@ -11,8 +11,9 @@ from celery._state import get_current_task
 
 from ._crashpoints import armed, step_crash_point
 from .exceptions import CeleryLeaseError, LeaseLost, NotSerializable, TaskCancelled
-from .store import Claim, FenceResult, Store
-from .store._steps import DONE, STARTED, RecordedStep
+from .states import STEP_DONE as DONE
+from .states import STEP_STARTED as STARTED
+from .store import Claim, FenceResult, RecordedStep, Store
 
 _MISSING = object()
 
