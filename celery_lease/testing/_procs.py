@@ -85,6 +85,7 @@ class WorkerProcess:
         extra_args: more ``celery worker`` arguments.
         conf: ``app.conf`` settings applied in the worker (JSON values).
         pythonpath: more directories for ``PYTHONPATH``.
+        python: the interpreter (default: this one).
     """
 
     READY = re.compile(r" ready\.\s*$", re.MULTILINE)
@@ -104,8 +105,10 @@ class WorkerProcess:
         extra_args: Sequence[str] = (),
         conf: Mapping[str, Any] | None = None,
         pythonpath: Sequence[str | os.PathLike[str]] = (),
+        python: str | None = None,
     ) -> None:
         self.app = app
+        self.python = python or sys.executable
         self.cwd = Path(cwd)
         self.log_path = Path(log_path)
         self.env = dict(env or {})
@@ -132,7 +135,7 @@ class WorkerProcess:
         entry = ["-m", "celery"] if self.conf is None else ["-m", "celery_lease.testing._launch"]
         queues = ["-Q", ",".join(self.queues)] if self.queues else []
         return [
-            sys.executable,
+            self.python,
             *entry,
             "-A",
             self.app,
