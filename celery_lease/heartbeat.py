@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._runtime import Incarnation
+from ._incarnation import Incarnation
 from .exceptions import StoreError
 from .store import Store
 

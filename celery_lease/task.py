@@ -20,7 +20,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from . import policy
 from ._crashpoints import crash_point
 from ._execution import Execution, encode
-from ._runtime import runtime
+from ._runtime import install, runtime
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
 from .states import State
@@ -68,10 +68,12 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Hook celery-lease into the app the first time a leased task binds to it."""
-        from .worker import install
-
-        install(app)
+        """Hook celery-lease into the app the first time a leased task binds to it, and
+        record the task among the app's leased ones (the worker fences itself after the
+        shortest TTL)."""
+        rt = install(app)
+        if cls.name is not None:
+            rt.leased.add(cls.name)
 
     def lease_options(self, config: LeaseConfig) -> dict[str, Any]:
         """This task's lease options with the app's defaults applied, validated."""

@@ -14,71 +14,22 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from celery import Celery, bootsteps, signals
 from celery.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
-from . import config as _config
-from ._runtime import Incarnation, Runtime, runtime
+from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from .exceptions import CeleryLeaseError, StoreError
 from .heartbeat import Heartbeat
 from .reaper import Reaper
 
 logger = logging.getLogger("celery_lease.worker")
 
-_install_lock = threading.Lock()
-BEAT_ENTRY = "celery-lease-reap"
-
-
-def install(app: Celery) -> Runtime:
-    """Hook celery-lease into ``app`` (idempotent).
-
-    Called automatically when a ``LeasedTask`` binds to the app; call it yourself
-    only to install before any leased task is defined. Adds the worker bootstep,
-    the beat entry for the reaper (``lease_beat_reaper``) and the signal handlers.
-    """
-    rt = runtime(app)
-    with _install_lock:
-        if rt.installed:
-            return rt
-        rt.installed = True
-    app.steps["worker"].add(LeaseStep)
-    if getattr(app, "configured", False):
-        _add_beat_entry(app)
-    else:
-        app.on_after_configure.connect(_on_configured, weak=False)
-    return rt
-
-
-def _on_configured(sender: Celery, **kwargs: Any) -> None:
-    if runtime(sender).installed:
-        _add_beat_entry(sender)
-
-
-def _add_beat_entry(app: Celery) -> None:
-    cfg = _config.from_mapping(app.conf)
-    if cfg.beat_reaper and BEAT_ENTRY not in (app.conf.beat_schedule or {}):
-        app.add_periodic_task(
-            cfg.reaper_interval,
-            app.signature("celery_lease.reap"),
-            name=BEAT_ENTRY,
-            expires=max(cfg.reaper_interval, 1.0),
-        )
-
-
-def _shortest_ttl(rt: Runtime) -> float:
-    """The shortest lease TTL among the app's leased tasks: after that long without a
-    heartbeat some lease may already have been taken over, so the worker self-fences."""
-    from .task import LeasedTask
-
-    ttls = [rt.config.ttl]
-    for task in rt.app.tasks.values():
-        ttl = getattr(task, "lease_ttl", None)
-        if isinstance(task, LeasedTask) and ttl is not None:
-            ttls.append(float(ttl))
-    return min(ttls)
+#: The service of each app's worker main process (none in its pool children's use).
+_services: weakref.WeakKeyDictionary[Celery, WorkerService] = weakref.WeakKeyDictionary()
 
 
 class WorkerService:
@@ -99,7 +50,7 @@ class WorkerService:
             store,
             inc,
             interval=cfg.heartbeat_interval,
-            ttl=_shortest_ttl(rt),
+            ttl=rt.shortest_ttl(),
             on_recovered=self._expire_own,
         )
         self._thread = threading.Thread(target=self._loop, name="celery-lease-reaper", daemon=True)
@@ -228,14 +179,13 @@ class LeaseStep(bootsteps.StartStopStep):
     label = "celery-lease"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
-        rt = runtime(worker.app)
         try:
-            rt.service = WorkerService(rt, worker.hostname)
+            service = WorkerService(runtime(worker.app), worker.hostname)
         except CeleryLeaseError as error:
             # refuse to start rather than run tasks without leases
             logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)
             raise SystemExit(78) from error  # EX_CONFIG
-        self.service = rt.service
+        self.service = _services[worker.app] = service
 
     def start(self, worker: Any) -> None:
         self.service.start()
@@ -244,10 +194,13 @@ class LeaseStep(bootsteps.StartStopStep):
         """Cold shutdown. Celery sends no ``worker_shutdown`` then (only a warm shutdown
         does), so record it here: the incarnation is marked stopped and the leases it
         holds expire at once, before the pool kills the children running them."""
-        rt = runtime(worker.app)
-        if rt.service is not None and rt.incarnation is not None:
-            rt.service.shutdown("cold shutdown")
-            rt.service = None
+        _shutdown(worker.app, "cold shutdown")
+
+
+def _shutdown(app: Celery, reason: str) -> None:
+    service = _services.pop(app, None)
+    if service is not None and runtime(app).incarnation is not None:
+        service.shutdown(reason)
 
 
 @signals.worker_shutdown.connect(weak=False)
@@ -255,10 +208,7 @@ def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None:
         return
-    rt = runtime(app)
-    if rt.service is not None and rt.incarnation is not None:
-        rt.service.shutdown("shutdown")
-        rt.service = None
+    _shutdown(app, "shutdown")
 
 
 @signals.task_revoked.connect(weak=False)
@@ -272,8 +222,8 @@ def _on_task_revoked(
     task = sender
     if request is None or not getattr(task, "Request", "").startswith("celery_lease."):
         return
-    rt = runtime(task.app)
-    if rt.service is None:
+    service = _services.get(task.app)
+    if service is None:
         return
     if terminated:
         # recorded as a cancel request before the child's death is handled as a lost
@@ -283,7 +233,7 @@ def _on_task_revoked(
         reason = "expired before it ran (expires option)"
     else:
         reason = "revoked before it ran"
-    rt.service.revoked(request.id, reason)
+    service.revoked(request.id, reason)
 
 
 class LeasedRequest(Request):
@@ -291,7 +241,7 @@ class LeasedRequest(Request):
     pool child running it dies or hits its hard time limit (no TTL wait)."""
 
     def _service(self) -> WorkerService | None:
-        return runtime(self.task.app).service
+        return _services.get(self.task.app)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -326,3 +276,6 @@ class LeasedRequest(Request):
             service = self._service()
             if not soft and service is not None:  # after Celery's FAILURE, as above
                 service.child_lost(self.id, f"hard time limit ({timeout} s) exceeded")
+
+
+__all__ = ["BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install"]
