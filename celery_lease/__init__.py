@@ -5,12 +5,12 @@ optional dedup key, per-step checkpoints and a heartbeat lease; a reaper moves
 tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
-from ._execution import DuplicateStep
 from ._outbox import outbox_transaction
-from .admin import Admin, Stats, admin
+from ._runtime import install
 from .exceptions import (
     CeleryLeaseError,
     ConfigurationError,
+    DuplicateStep,
     IllegalTransition,
     LeaseError,
     LeaseLost,
@@ -22,11 +22,11 @@ from .exceptions import (
     TaskCancelled,
     TaskNotFound,
 )
+from .operations import Admin, Stats, admin
 from .reaper import ReapReport, reap
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import TRANSITIONS, State
 from .task import LeasedTask
-from .worker import install
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,7 @@
-"""The operator API: ``celery_lease.admin(app)``.
+"""The operator API: ``celery_lease.admin(app)`` returns an :class:`Admin`.
+
+(The module was first called ``celery_lease.admin``, a name that still imports; the
+Django admin site's integration is ``celery_lease.contrib.django``.)
 
 Every action is a transition checked against the one table, recorded with its
 actor and reason; an illegal request raises and changes nothing.
@@ -118,7 +121,7 @@ class Admin:
         self._require(task_id)
         return self.store.steps(task_id)
 
-    def list(
+    def tasks(
         self,
         state: State | str | None = None,
         name: str | None = None,
@@ -140,6 +143,10 @@ class Admin:
             worker=worker,
             limit=limit,
         )
+
+    #: The first name of :meth:`tasks` (it shadows the builtin inside the class; kept,
+    #: since the public API is a contract).
+    list = tasks
 
     def workers(self) -> builtins.list[WorkerRecord]:
         """Worker incarnations, newest first, with liveness and tasks owned."""
