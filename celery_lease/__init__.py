@@ -7,6 +7,10 @@ tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 
 from ._outbox import outbox_transaction
 from ._runtime import install
+
+# through the submodule ``admin``: importing it binds ``celery_lease.admin`` to the
+# module, and the function must be bound after that, here, not by a later import
+from .admin import Admin, Stats, admin
 from .exceptions import (
     CeleryLeaseError,
     ConfigurationError,
@@ -22,7 +26,6 @@ from .exceptions import (
     TaskCancelled,
     TaskNotFound,
 )
-from .operations import Admin, Stats, admin
 from .reaper import ReapReport, reap
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import TRANSITIONS, State
