@@ -12,10 +12,14 @@ from ._runtime import install
 # module, and the function must be bound after that, here, not by a later import
 from .admin import Admin, Stats, admin
 from .exceptions import (
+    ArgumentsTooLarge,
     CeleryLeaseError,
     ConfigurationError,
     DuplicateStep,
     IllegalTransition,
+    InvalidSubmission,
+    InvalidSubmissionType,
+    InvalidSubmissionValue,
     LeaseError,
     LeaseLost,
     MissingDependencyError,
@@ -36,10 +40,14 @@ __version__ = "0.1.0"
 __all__ = [
     "TRANSITIONS",
     "Admin",
+    "ArgumentsTooLarge",
     "CeleryLeaseError",
     "ConfigurationError",
     "DuplicateStep",
     "IllegalTransition",
+    "InvalidSubmission",
+    "InvalidSubmissionType",
+    "InvalidSubmissionValue",
     "LeaseError",
     "LeaseLost",
     "LeasedTask",

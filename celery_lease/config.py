@@ -52,6 +52,9 @@ class LeaseConfig:
     max_runtime: float | None = None
     #: Results larger than this (JSON bytes) are not stored; a note is stored instead.
     result_max_bytes: int = 65536
+    #: Largest arguments of a submission (args and kwargs as JSON bytes, together); a
+    #: larger submission raises ``ArgumentsTooLarge`` before anything is written.
+    args_max_bytes: int = 1048576
     #: Create or upgrade the schema automatically (always done for SQLite).
     auto_migrate: bool = False
     #: SQLAlchemy connection pool size per process.
@@ -95,6 +98,7 @@ class LeaseConfig:
         for key, ivalue in {
             "lease_reaper_batch_size": self.reaper_batch_size,
             "lease_result_max_bytes": self.result_max_bytes,
+            "lease_args_max_bytes": self.args_max_bytes,
             "lease_pool_size": self.pool_size,
             "lease_retention_batch_size": self.retention_batch_size,
         }.items():
@@ -137,6 +141,7 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_max_age": ("max_age", float),
     "lease_max_runtime": ("max_runtime", float),
     "lease_result_max_bytes": ("result_max_bytes", int),
+    "lease_args_max_bytes": ("args_max_bytes", int),
     "lease_auto_migrate": ("auto_migrate", bool),
     "lease_pool_size": ("pool_size", int),
     "lease_sqlite_busy_timeout": ("sqlite_busy_timeout", float),

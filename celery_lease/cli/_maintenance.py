@@ -161,13 +161,20 @@ def purge(
 @lease.command()
 @click.option("--port", type=click.IntRange(0, 65535), required=True, help="Port to serve on.")
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to bind.")
+@click.option(
+    "--window",
+    callback=_duration,
+    default="5m",
+    show_default=True,
+    help="History the per-task figures cover.",
+)
 @click.pass_context
 @handle_errors
-def metrics(ctx: click.Context, port: int, addr: str) -> None:
+def metrics(ctx: click.Context, port: int, addr: str, window: float) -> None:
     """Serve Prometheus metrics over HTTP until interrupted (needs the prometheus extra)."""
     from ..metrics import serve
 
-    server = serve(_app(ctx), port=port, addr=addr)
+    server = serve(_app(ctx), port=port, addr=addr, window=window)
     host, bound = server.server_address[:2]
     click.echo(f"serving celery-lease metrics on http://{host}:{bound}/metrics", err=True)
     try:

@@ -250,17 +250,31 @@ def stats(ctx: click.Context, window: float, as_json: bool) -> None:
     expired = str(snapshot.expired_unreaped)
     if snapshot.expired_unreaped:
         expired = click.style(expired + "  (is a reaper running?)", fg="red")
+    if snapshot.counts_estimated:
+        click.echo("(finished counts past 100,000 are PostgreSQL's estimates)")
     click.echo("")
     for label, value in (
         ("expired, not reaped", expired),
         ("oldest PENDING", span(snapshot.oldest_pending_age)),
         (f"finished in {span(snapshot.window)}", str(snapshot.finished)),
         ("run time p50", span(snapshot.run_p50)),
+        ("run time p95", span(snapshot.run_p95)),
         ("run time p99", span(snapshot.run_p99)),
         ("failure rate", rate(snapshot.failure_rate)),
         ("cancel rate", rate(snapshot.cancel_rate)),
+        ("re-published (total)", str(snapshot.republished)),
+        ("duplicates dropped", str(snapshot.duplicates_dropped)),
+        ("purged (total)", str(snapshot.purged)),
     ):
         click.echo(f"{label:<22}{value}", color=color)
+    if snapshot.tasks:
+        from .._cli_ops import TASK_HEADERS, task_rows
+
+        click.echo("")
+        per_task = Table(TASK_HEADERS, {})
+        for row in task_rows(snapshot.tasks):
+            per_task.add(*row)
+        per_task.render(color)
 
 
 @lease.command()

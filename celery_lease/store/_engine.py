@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.engine import URL, make_url
 
+from .._redact import redact, safe_url
 from ..config import LeaseConfig
 from ..exceptions import ConfigurationError, MissingDependencyError, StoreError, StoreUnavailable
 
@@ -34,11 +35,6 @@ _TRANSIENT_PG_CODES = {
 }
 
 
-def safe_url(url: URL | str) -> str:
-    """The URL with its password hidden, for messages and logs."""
-    return make_url(url).render_as_string(hide_password=True)
-
-
 def _normalize(url: URL) -> URL:
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
@@ -49,8 +45,11 @@ def create(config: LeaseConfig) -> Engine:
     """An engine for ``config.database_url`` set up for short, contended transactions."""
     try:
         url = _normalize(make_url(config.database_url))
-    except exc.ArgumentError as error:
-        raise ConfigurationError(f"lease_database_url is not a valid URL: {error}") from error
+    except (exc.ArgumentError, ValueError) as error:  # ValueError: a port that is no number
+        # the parse error quotes the whole URL, secrets included: mask them, and leave the
+        # original out of the traceback
+        message = redact(str(error), config.database_url)
+        raise ConfigurationError(f"lease_database_url is not a valid URL: {message}") from None
     backend = url.get_backend_name()
     if backend == "sqlite":
         engine = _sqlite(url, config)
@@ -223,7 +222,7 @@ def is_transient(error: exc.DBAPIError) -> bool:
 def wrap(error: exc.SQLAlchemyError, url: str) -> StoreError:
     """The library's exception for a driver error (the cause is kept by ``raise ... from``)."""
     detail = str(getattr(error, "orig", None) or error).strip().splitlines()
-    first = detail[0] if detail else type(error).__name__
+    first = redact(detail[0]) if detail else type(error).__name__
     if isinstance(error, exc.DBAPIError) and is_transient(error):
         return StoreUnavailable(f"lease store {url} unavailable: {first}")
     return StoreError(f"lease store {url}: {first}")

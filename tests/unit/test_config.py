@@ -37,6 +37,7 @@ DEFAULTS = {
     "max_age": None,
     "max_runtime": None,
     "result_max_bytes": 65536,
+    "args_max_bytes": 1048576,
     "auto_migrate": False,
     "pool_size": 5,
     "sqlite_busy_timeout": 30.0,
