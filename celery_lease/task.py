@@ -571,7 +571,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 def _count_duplicate(store: Store) -> None:
     """Raise the ``duplicates_dropped`` counter; a failure to count never changes what
     happens to the delivery."""
-    from .store._retention import DUPLICATES_DROPPED
+    from .store import DUPLICATES_DROPPED
 
     try:
         store.add_counts({DUPLICATES_DROPPED: 1})
