@@ -23,8 +23,9 @@ from celery.worker.request import Request
 from . import config as _config
 from ._runtime import Incarnation, Runtime, runtime
 from .exceptions import CeleryLeaseError, StoreError
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, renewal_config
 from .reaper import Reaper
+from .store import Store
 
 logger = logging.getLogger("celery_lease.worker")
 
@@ -95,11 +96,12 @@ class WorkerService:
         self.reaper = Reaper(rt.app, actor=f"reaper:{nodename}", store=store)
         self._events: queue.Queue[tuple[str, str, str]] = queue.Queue()
         self._stopping = threading.Event()
+        ttl = _shortest_ttl(rt)
         self.heartbeat = Heartbeat(
-            store,
+            Store(renewal_config(cfg, ttl)),
             inc,
             interval=cfg.heartbeat_interval,
-            ttl=_shortest_ttl(rt),
+            ttl=ttl,
             on_recovered=self._expire_own,
         )
         self._thread = threading.Thread(target=self._loop, name="celery-lease-reaper", daemon=True)
@@ -196,6 +198,7 @@ class WorkerService:
         """Mark the incarnation stopped; leases it still holds expire at once."""
         self._stopping.set()
         self.heartbeat.stop()
+        self.heartbeat.store.dispose()
         inc = self.incarnation
         try:
             self.store.stop_worker(inc.id, reason)
