@@ -41,6 +41,10 @@ DEFAULTS = {
     "pool_size": 5,
     "sqlite_busy_timeout": 30.0,
     "db_retries": 3,
+    "db_timeout": 10.0,
+    "db_connect_timeout": 5.0,
+    "db_retry_on_startup": True,
+    "db_startup_timeout": 60.0,
     "send_events": True,
     "result_backend_sync": True,
 }
