@@ -28,15 +28,24 @@ from typing import Any
 
 
 class Watchdog:
-    """Shuts down connections whose store call outlived its deadline (one per engine)."""
+    """Shuts down connections whose store call outlived its deadline (one per process)."""
 
     def __init__(self) -> None:
+        self._reset()
+        self._local = threading.local()
+        # a child forked while a thread of the parent held the lock would wait on it
+        # for ever; it inherits no thread and none of the parent's calls either
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         #: id(dbapi connection) -> (deadline, the connection)
         self._watched: dict[int, tuple[float, Any]] = {}
-        self._local = threading.local()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        #: When the thread wakes next by itself (it is woken earlier only for an earlier
+        #: deadline: deadlines mostly grow, so a store call rarely wakes it at all).
+        self._wake_at = float("inf")
         #: How many connections this watchdog has shut down (for logs and tests).
         self.fired = 0
 
@@ -47,21 +56,36 @@ class Watchdog:
             return None
         return deadline - time.monotonic()
 
+    def arm(self, deadline: float) -> tuple[Any, Any]:
+        """Watch every connection this thread uses until ``deadline`` (monotonic); give
+        what this returns to :meth:`disarm` when the call ends (a plain pair of methods,
+        not a context manager: this runs once per store call)."""
+        local = self._local
+        outer = (getattr(local, "deadline", None), getattr(local, "conns", None))
+        if outer[0] is not None and outer[0] < deadline:
+            deadline = outer[0]  # a call made inside another keeps the outer deadline
+        local.deadline = deadline
+        local.conns = []
+        return outer
+
+    def disarm(self, outer: tuple[Any, Any]) -> None:
+        """End the calling thread's deadline (restoring an outer call's)."""
+        local = self._local
+        conns = local.conns
+        if conns:
+            with self._cond:
+                for conn in conns:
+                    self._watched.pop(id(conn), None)
+        local.deadline, local.conns = outer
+
     @contextlib.contextmanager
     def armed(self, deadline: float) -> Iterator[None]:
-        """Watch every connection this thread uses until ``deadline`` (monotonic)."""
-        outer = getattr(self._local, "deadline", None)
-        outer_conns = getattr(self._local, "conns", None)
-        self._local.deadline = deadline if outer is None else min(outer, deadline)
-        conns: list[Any] = []
-        self._local.conns = conns
+        """:meth:`arm` and :meth:`disarm` as a context manager."""
+        outer = self.arm(deadline)
         try:
             yield
         finally:
-            for conn in conns:
-                self.unwatch(conn)
-            self._local.deadline = outer
-            self._local.conns = outer_conns
+            self.disarm(outer)
 
     def watch(self, dbapi_conn: Any) -> None:
         """Called by the pool when this thread gets ``dbapi_conn`` (connect, checkout)."""
@@ -72,13 +96,15 @@ class Watchdog:
         with self._cond:
             self._watched[id(dbapi_conn)] = (deadline, dbapi_conn)
             if self._thread is None or self._pid != os.getpid():
-                # first use, or a forked child: threads are not inherited
+                # first use (a forked child starts its own: threads are not inherited)
                 self._pid = os.getpid()
                 self._thread = threading.Thread(
                     target=self._run, name="celery-lease-store-deadline", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if deadline < self._wake_at:
+                self._wake_at = deadline
+                self._cond.notify()
 
     def unwatch(self, dbapi_conn: Any) -> None:
         """Called by the pool when the connection is given back (or closed)."""
@@ -96,6 +122,7 @@ class Watchdog:
                         expired.append(conn)
                 if not expired:
                     soonest = min((d for d, _ in self._watched.values()), default=None)
+                    self._wake_at = float("inf") if soonest is None else soonest
                     self._cond.wait(None if soonest is None else max(0.0, soonest - now))
                     continue
             for conn in expired:

@@ -311,8 +311,8 @@ def retrying(fn: Callable[[bool], T], *, retries: int, url: str, timeout: float 
     and no further try starts: the call ends with :class:`StoreUnavailable`.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    guard = contextlib.nullcontext() if deadline is None else WATCHDOG.armed(deadline)
-    with guard:
+    outer = None if deadline is None else WATCHDOG.arm(deadline)
+    try:
         for attempt in range(retries + 1):
             try:
                 return fn(attempt > 0)
@@ -327,4 +327,7 @@ def retrying(fn: Callable[[bool], T], *, retries: int, url: str, timeout: float 
                 raise wrap(error, url) from error
             except exc.SQLAlchemyError as error:
                 raise wrap(error, url) from error
+    finally:
+        if outer is not None:
+            WATCHDOG.disarm(outer)
     raise AssertionError("unreachable")
