@@ -9,9 +9,13 @@ from ._execution import DuplicateStep
 from ._outbox import outbox_transaction
 from .admin import Admin, Stats, admin
 from .exceptions import (
+    ArgumentsTooLarge,
     CeleryLeaseError,
     ConfigurationError,
     IllegalTransition,
+    InvalidSubmission,
+    InvalidSubmissionType,
+    InvalidSubmissionValue,
     LeaseError,
     LeaseLost,
     MissingDependencyError,
@@ -33,10 +37,14 @@ __version__ = "0.1.0"
 __all__ = [
     "TRANSITIONS",
     "Admin",
+    "ArgumentsTooLarge",
     "CeleryLeaseError",
     "ConfigurationError",
     "DuplicateStep",
     "IllegalTransition",
+    "InvalidSubmission",
+    "InvalidSubmissionType",
+    "InvalidSubmissionValue",
     "LeaseError",
     "LeaseLost",
     "LeasedTask",

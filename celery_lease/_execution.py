@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .exceptions import CeleryLeaseError, LeaseLost, NotSerializable, TaskCancelled
-from .store import Claim, FenceResult, Store
-from .store._steps import DONE, STARTED, RecordedStep
+from .states import STEP_DONE as DONE
+from .states import STEP_STARTED as STARTED
+from .store import Claim, FenceResult, RecordedStep, Store
 
 _MISSING = object()
 

@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import func, select
 
 from ._execution import encode
 from ._runtime import default_actor, runtime
 from .exceptions import IllegalTransition, TaskNotFound
+from .health import DURATION_SAMPLE, TaskHealth, percentile, state_counts, task_health
 from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State
 from .store import Store
-from .store._sql import after, db_now, seconds_between
 
 #: States ``purge`` deletes by default: finished work nobody will act on.
 PURGEABLE_DEFAULT = (State.SUCCEEDED, State.CANCELLED)
@@ -30,11 +28,7 @@ PURGEABLE_DEFAULT = (State.SUCCEEDED, State.CANCELLED)
 PURGEABLE = frozenset({State.SUCCEEDED, State.CANCELLED, State.FAILED})
 #: Seconds of history ``stats()`` summarizes by default (run durations, rates).
 STATS_WINDOW = 3600.0
-#: Run durations read per ``stats()`` call at most (the most recent ones).
-_DURATION_SAMPLE = 10_000
 _FINISHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
-#: Where a person may fail or resolve a task (RUNNING -> FAILED/SUCCEEDED is the task's own).
-_DECIDABLE = (State.WAIT_MANUAL,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +53,23 @@ class Stats:
     #: FAILED / finished and CANCELLED / finished within the window (``None``: none finished).
     failure_rate: float | None = None
     cancel_rate: float | None = None
+    #: 95th percentile run duration (seconds), as ``run_p50`` and ``run_p99``.
+    run_p95: float | None = None
+    #: The same figures per task name, with its backlog and its limits.
+    tasks: tuple[TaskHealth, ...] = ()
+    #: Counts of SUCCEEDED, FAILED or CANCELLED past ``health.COUNT_CAP`` rows are PostgreSQL's
+    #: estimates (planner statistics): counting them exactly would read the whole table.
+    counts_estimated: bool = False
+    #: Totals since the tables were created: finished rows deleted by retention,
+    #: messages re-published by the reaper, duplicate deliveries dropped at claim.
+    purged: int = 0
+    republished: int = 0
+    duplicates_dropped: int = 0
+
+    @property
+    def zombies(self) -> int:
+        """RUNNING tasks whose lease expired and which no reaper has moved yet."""
+        return self.expired_unreaped
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -72,17 +83,13 @@ class Stats:
             "run_p99": self.run_p99,
             "failure_rate": self.failure_rate,
             "cancel_rate": self.cancel_rate,
+            "run_p95": self.run_p95,
+            "counts_estimated": self.counts_estimated,
+            "purged": self.purged,
+            "republished": self.republished,
+            "duplicates_dropped": self.duplicates_dropped,
+            "tasks": [t.as_dict() for t in self.tasks],
         }
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-quantile (0..1) of ``values`` by linear interpolation (``None`` if empty)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class Admin:
@@ -155,10 +162,14 @@ class Admin:
         if not window > 0:
             raise ValueError("window must be a positive number of seconds")
         store = self.store
-        counts = store.counts()
-        finished = _finished_counts(store, window)
-        total = sum(finished.values())
-        durations = _run_durations(store, window)
+        counts, estimated = state_counts(store)
+        tasks = task_health(store, window)
+        totals: dict[State, int] = dict.fromkeys(_FINISHED, 0)
+        for f in store.finished_by_name(window):
+            totals[f.state] += f.count
+        total = sum(totals.values())
+        durations = [r.seconds for r in store.recent_runtimes(window, DURATION_SAMPLE)]
+        counters = store.counters()
         return Stats(
             counts=counts,
             running=counts[State.RUNNING],
@@ -168,8 +179,14 @@ class Admin:
             finished=total,
             run_p50=percentile(durations, 0.5),
             run_p99=percentile(durations, 0.99),
-            failure_rate=finished[State.FAILED] / total if total else None,
-            cancel_rate=finished[State.CANCELLED] / total if total else None,
+            failure_rate=totals[State.FAILED] / total if total else None,
+            cancel_rate=totals[State.CANCELLED] / total if total else None,
+            run_p95=percentile(durations, 0.95),
+            tasks=tuple(tasks),
+            counts_estimated=estimated,
+            purged=counters["purged"],
+            republished=counters["republished"],
+            duplicates_dropped=counters["duplicates_dropped"],
         )
 
     # -- acting -----------------------------------------------------------------------
@@ -192,7 +209,6 @@ class Admin:
             State.PENDING,
             actor=who,
             reason=reason or f"retried by {who}",
-            allowed=tuple(RETRYABLE),
         )
         Reaper(self.app, actor=f"admin:{who}", store=store).publish(store.take_pending([task_id]))
         return frm
@@ -205,7 +221,6 @@ class Admin:
             State.FAILED,
             actor=actor or default_actor(),
             reason=_required(reason),
-            allowed=_DECIDABLE,
         )
 
     def resolve(
@@ -225,7 +240,6 @@ class Admin:
             actor=actor or default_actor(),
             reason=_required(reason),
             result=text,
-            allowed=_DECIDABLE,
         )
 
     def cancel(
@@ -255,14 +269,7 @@ class Admin:
         self, *, older_than: float, states: Sequence[State | str] = PURGEABLE_DEFAULT
     ) -> int:
         """How many tasks :meth:`purge` would delete now with these arguments."""
-        chosen = _purge_states(older_than, states)
-        store = self.store
-        t = store.t.tasks
-        q = select(func.count()).where(
-            t.c.state.in_([s.value for s in chosen]),
-            after(func.coalesce(t.c.finished_at, t.c.updated_at), older_than) < db_now(),
-        )
-        return int(store._read(lambda conn: conn.execute(q).scalar_one()))
+        return self.store.purgeable_count(_purge_states(older_than, states), older_than)
 
     def purge(
         self,
@@ -321,39 +328,6 @@ def _purge_states(older_than: float, states: Sequence[State | str]) -> list[Stat
     return chosen
 
 
-def _finished_counts(store: Store, window: float) -> dict[State, int]:
-    t = store.t.tasks
-    q = (
-        select(t.c.state, func.count())
-        .where(
-            t.c.state.in_([s.value for s in _FINISHED]),
-            t.c.finished_at >= after(db_now(), -window),
-        )
-        .group_by(t.c.state)
-    )
-    rows = store._read(lambda conn: conn.execute(q).all())
-    out = dict.fromkeys(_FINISHED, 0)
-    for state, count in rows:
-        out[State(state)] = int(count)
-    return out
-
-
-def _run_durations(store: Store, window: float) -> list[float]:
-    t = store.t.tasks
-    q = (
-        select(seconds_between(t.c.finished_at, t.c.started_at))
-        .where(
-            t.c.state.in_([State.SUCCEEDED.value, State.FAILED.value]),
-            t.c.finished_at >= after(db_now(), -window),
-            t.c.started_at.is_not(None),
-        )
-        .order_by(t.c.finished_at.desc())
-        .limit(_DURATION_SAMPLE)
-    )
-    rows = store._read(lambda conn: conn.execute(q).scalars().all())
-    return [max(0.0, float(v)) for v in rows if v is not None]
-
-
 def admin(app: Celery) -> Admin:
     """The operator API of ``app``."""
     return Admin(app)
@@ -366,6 +340,7 @@ __all__ = [
     "STATS_WINDOW",
     "Admin",
     "Stats",
+    "TaskHealth",
     "admin",
     "parse_state",
     "percentile",

@@ -36,7 +36,7 @@ from .exceptions import (
     StoreError,
     TaskNotFound,
 )
-from .states import TERMINAL, State
+from .states import STEP_DONE, State, action_sources
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -409,15 +409,15 @@ def actions(record: Any, steps: Sequence[Any], app_option: str) -> list[dict[str
     base = f"celery -A {app_option} lease"
     tid = record.id
     out: list[dict[str, str]] = []
-    unknown = [s.name for s in steps if s.state != "DONE" and not s.idempotent]
-    if record.state in (State.WAIT_MANUAL, State.FAILED, State.TIMEOUT):
+    unknown = [s.name for s in steps if s.state != STEP_DONE and not s.idempotent]
+    if record.state in action_sources("retry"):
         what = "run it again; completed steps are kept and not re-run"
         if unknown:
             what += f"; step {', '.join(map(repr, unknown))} runs again"
         out.append(
             {"action": "retry", "what": what, "command": f'{base} retry {tid} --reason "..."'}
         )
-    if record.state is State.WAIT_MANUAL:
+    if record.state in action_sources("resolve"):
         out.append(
             {
                 "action": "resolve",
@@ -425,6 +425,7 @@ def actions(record: Any, steps: Sequence[Any], app_option: str) -> list[dict[str
                 "command": f"{base} resolve {tid} --reason \"...\" [--result '<json>']",
             }
         )
+    if record.state in action_sources("fail"):
         out.append(
             {
                 "action": "fail",
@@ -432,7 +433,7 @@ def actions(record: Any, steps: Sequence[Any], app_option: str) -> list[dict[str
                 "command": f'{base} fail {tid} --reason "..."',
             }
         )
-    if record.state not in TERMINAL:
+    if record.state in action_sources("cancel"):
         what = "stop it for good"
         if record.state is State.RUNNING:
             what = "ask it to stop at its next step boundary (--terminate also kills it)"
@@ -514,7 +515,7 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if steps:
         table = Table(["NAME", "STATE", "IDEMPOTENT", "ATTEMPT", "STARTED", "RESULT"], {}, 2)
         for s in steps:
-            if s.state == "DONE":
+            if s.state == STEP_DONE:
                 result = json.dumps(s.result)
             else:
                 result = "(not finished)" if s.idempotent else "(outcome unknown)"
@@ -548,7 +549,7 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if record.state is State.WAIT_MANUAL:
         heading("Waiting for a person")
         click.echo(f"  why: {record.reason or 'no reason recorded'}")
-        unknown = [s for s in steps if s.state != "DONE" and not s.idempotent]
+        unknown = [s for s in steps if s.state != STEP_DONE and not s.idempotent]
         for s in unknown:
             click.echo(
                 f"  step {s.name!r} started in attempt {s.attempt} but its outcome is not "
@@ -590,17 +591,31 @@ def stats(ctx: click.Context, window: float, as_json: bool) -> None:
     expired = str(snapshot.expired_unreaped)
     if snapshot.expired_unreaped:
         expired = click.style(expired + "  (is a reaper running?)", fg="red")
+    if snapshot.counts_estimated:
+        click.echo("(finished counts past 100,000 are PostgreSQL's estimates)")
     click.echo("")
     for label, value in (
         ("expired, not reaped", expired),
         ("oldest PENDING", span(snapshot.oldest_pending_age)),
         (f"finished in {span(snapshot.window)}", str(snapshot.finished)),
         ("run time p50", span(snapshot.run_p50)),
+        ("run time p95", span(snapshot.run_p95)),
         ("run time p99", span(snapshot.run_p99)),
         ("failure rate", rate(snapshot.failure_rate)),
         ("cancel rate", rate(snapshot.cancel_rate)),
+        ("re-published (total)", str(snapshot.republished)),
+        ("duplicates dropped", str(snapshot.duplicates_dropped)),
+        ("purged (total)", str(snapshot.purged)),
     ):
         click.echo(f"{label:<22}{value}", color=color)
+    if snapshot.tasks:
+        from ._cli_ops import TASK_HEADERS, task_rows
+
+        click.echo("")
+        per_task = Table(TASK_HEADERS, {})
+        for row in task_rows(snapshot.tasks):
+            per_task.add(*row)
+        per_task.render(color)
 
 
 @lease.command()
@@ -857,13 +872,20 @@ def purge(
 @lease.command()
 @click.option("--port", type=click.IntRange(0, 65535), required=True, help="Port to serve on.")
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to bind.")
+@click.option(
+    "--window",
+    callback=_duration,
+    default="5m",
+    show_default=True,
+    help="History the per-task figures cover.",
+)
 @click.pass_context
 @handle_errors
-def metrics(ctx: click.Context, port: int, addr: str) -> None:
+def metrics(ctx: click.Context, port: int, addr: str, window: float) -> None:
     """Serve Prometheus metrics over HTTP until interrupted (needs the prometheus extra)."""
     from .metrics import serve
 
-    server = serve(_app(ctx), port=port, addr=addr)
+    server = serve(_app(ctx), port=port, addr=addr, window=window)
     host, bound = server.server_address[:2]
     click.echo(f"serving celery-lease metrics on http://{host}:{bound}/metrics", err=True)
     try:

@@ -20,6 +20,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from . import policy
 from ._crashpoints import crash_point
 from ._execution import Execution, encode
+from ._limits import check_submission
 from ._runtime import runtime
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
@@ -133,14 +134,14 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 
         Raises:
             NotSerializable: the arguments cannot be stored as JSON (nothing is published).
+            InvalidSubmission: an argument is outside the documented limits (a
+                ``ValueError`` or ``TypeError`` naming it; nothing is written).
         """
         app = self.app
         if app.conf.task_always_eager:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
-        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
-            raise TypeError("dedup_key must be a non-empty string")
         rt = runtime(app)
         new = self._new_row(rt.config, task_id or uuid(), args, kwargs, dedup_key, options)
         if connection is not None:
@@ -172,12 +173,16 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             value = options.get(key)
             if value is not None:
                 routing[key] = getattr(value, "name", value)
-        countdown = options.get("countdown")
-        eta = options.get("eta")
-        if isinstance(eta, str):
-            eta = datetime.fromisoformat(eta)
-        if isinstance(eta, datetime) and eta.tzinfo is None:
-            eta = eta.replace(tzinfo=timezone.utc)
+        when = check_submission(
+            task_name=self.name,
+            task_id=task_id,
+            dedup_key=dedup_key,
+            args_text=args_text,
+            kwargs_text=kwargs_text,
+            countdown=options.get("countdown"),
+            eta=options.get("eta"),
+            args_max_bytes=config.args_max_bytes,
+        )
         return NewTask(
             id=task_id,
             name=self.name,
@@ -185,8 +190,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             kwargs=kwargs_text,
             options=dumps(routing),
             dedup_key=dedup_key,
-            countdown=float(countdown) if countdown is not None else None,
-            eta=eta if countdown is None else None,
+            countdown=when.countdown,
+            eta=when.eta,
             **self.lease_options(config),
         )
 
@@ -265,6 +270,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         if isinstance(claim, Refusal):
             if claim.early:
                 self._publish_again(store, inc.actor, task_id)
+            else:
+                _count_duplicate(store)
             logger.info(
                 "task %s[%s]: delivery dropped without running (%s)", self.name, req.id, claim.why
             )
@@ -557,3 +564,14 @@ class LeasedTask(Task):  # type: ignore[type-arg]
     def check_cancelled(self) -> None:
         """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
         self._execution().boundary()
+
+
+def _count_duplicate(store: Store) -> None:
+    """Raise the ``duplicates_dropped`` counter; a failure to count never changes what
+    happens to the delivery."""
+    from .store._retention import DUPLICATES_DROPPED
+
+    try:
+        store.add_counts({DUPLICATES_DROPPED: 1})
+    except StoreError as error:
+        logger.debug("duplicate delivery not counted: %s", error)

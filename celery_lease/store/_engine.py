@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.engine import URL, make_url
 
+from .._redact import redact, safe_url
 from ..config import LeaseConfig
 from ..exceptions import ConfigurationError, MissingDependencyError, StoreError, StoreUnavailable
 from ._deadline import WATCHDOG
@@ -36,11 +37,6 @@ _TRANSIENT_PG_CODES = {
 }
 
 
-def safe_url(url: URL | str) -> str:
-    """The URL with its password hidden, for messages and logs."""
-    return make_url(url).render_as_string(hide_password=True)
-
-
 def _normalize(url: URL) -> URL:
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
@@ -51,8 +47,11 @@ def create(config: LeaseConfig) -> Engine:
     """An engine for ``config.database_url`` set up for short, contended transactions."""
     try:
         url = _normalize(make_url(config.database_url))
-    except exc.ArgumentError as error:
-        raise ConfigurationError(f"lease_database_url is not a valid URL: {error}") from error
+    except (exc.ArgumentError, ValueError) as error:  # ValueError: a port that is no number
+        # the parse error quotes the whole URL, secrets included: mask them, and leave the
+        # original out of the traceback
+        message = redact(str(error), config.database_url)
+        raise ConfigurationError(f"lease_database_url is not a valid URL: {message}") from None
     backend = url.get_backend_name()
     if backend == "sqlite":
         engine = _sqlite(url, config)
@@ -290,7 +289,7 @@ def wrap(error: exc.SQLAlchemyError, url: str, *, timeout: float | None = None) 
     ``timeout``: the call ran out of its ``lease_db_timeout`` (said in the message).
     """
     detail = str(getattr(error, "orig", None) or error).strip().splitlines()
-    first = detail[0] if detail else type(error).__name__
+    first = redact(detail[0]) if detail else type(error).__name__
     if timeout is not None:
         return StoreUnavailable(
             f"lease store {url} unavailable: no answer within {timeout:g} s "

@@ -32,8 +32,16 @@ def _baseline(conn: Connection, tables: Tables) -> None:
         table.create(conn, checkfirst=True)
 
 
+def _retention(conn: Connection, tables: Tables) -> None:
+    for index in tables.tasks.indexes:
+        if index.name == f"{tables.tasks.name}_finished":
+            index.create(conn, checkfirst=True)
+    tables.counters.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
+    Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

@@ -100,9 +100,37 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
     migrated = schema_snapshot(store.engine, store.config.schema)
     assert set(expected) == {
         f"{PREFIX}{name}"
-        for name in ("tasks", "transitions", "steps", "workers", "locks", "schema_version")
+        for name in (
+            "tasks",
+            "transitions",
+            "steps",
+            "workers",
+            "locks",
+            "schema_version",
+            "counters",
+        )
     }
     assert migrated == expected
+
+
+def test_a_version_1_database_is_upgraded_in_place(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    task = NewTask(
+        id="kept", name="t", args="[]", kwargs="{}", options="{}", lease_ttl=1.0, max_recoveries=1
+    )
+    store.submit(task)
+    # back to what version 1 created: no finished index, no counters table
+    t = store.t
+    with store.engine.begin() as conn:
+        next(i for i in t.tasks.indexes if i.name.endswith("_finished")).drop(conn)
+        t.counters.drop(conn)
+        conn.execute(t.version.delete().where(t.version.c.version > 1))
+    assert store.schema_version() == 1
+    assert store.migrate() == (1, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert store.get("kept") is not None
 
 
 def test_migrate_is_idempotent(make_store):
