@@ -85,23 +85,27 @@ class Heartbeat(threading.Thread):
                 self.ttl,
             )
             inc.flags.fenced = True
+        # the deadline a renewal gives must leave time for the next one to land
+        margin = min(self.interval, self.ttl / 2)
         for _ in range(3):
             sent = time.monotonic()  # the row's heartbeat is no earlier than this
             if not self._renew():
                 return False
-            if time.monotonic() < sent + self.ttl:
+            took = time.monotonic() - sent
+            if took < self.ttl - margin:
                 break
-            # the renewal took longer than the TTL: the row was renewed at some moment
-            # of it, so others may have seen it expired meanwhile, and ``sent`` gives no
-            # deadline in the future. Not a base to lift a fence on: renew again now.
+            # the renewal hung (a lock, a stalled connection): the row was renewed at
+            # some moment of it, so only ``sent`` is certain, and ``sent + ttl`` is past
+            # or about to pass. Lifting a fence on it (or keeping a deadline on it)
+            # would fence the worker again at the next beat: renew again now instead.
             logger.warning(
-                "worker %s: heartbeat renewal took %.1f s (TTL %.1f s): leases treated as "
-                "lost; renewing again",
+                "worker %s: heartbeat renewal took %.1f s (TTL %.1f s); renewing again",
                 inc.nodename,
-                time.monotonic() - sent,
+                took,
                 self.ttl,
             )
-            inc.flags.fenced = True
+            if took >= self.ttl:
+                inc.flags.fenced = True  # others may have seen the row expired meanwhile
         else:
             return False
         lapsed = sent - self._last_ok  # from the last renewal known good to this one
