@@ -66,6 +66,7 @@ __all__ = [
     "pid_alive",
     "pid_state",
     "submit_in_process",
+    "wait_step",
     "wait_until",
 ]
 
@@ -83,6 +84,26 @@ EXTERNAL_ENV = "CELERY_LEASE_TEST_EXTERNAL"
 #: Environment variables ``TEST_CONF_<KEY>=value`` set ``app.conf.<key> = "value"`` in a
 #: generated module (strings: ``lease_*`` settings are coerced by celery_lease.config).
 CONF_ENV_PREFIX = "TEST_CONF_"
+
+
+# -- polling ------------------------------------------------------------------------------
+
+
+def wait_step(
+    store: Store, task_id: str, name: str, state: str = "DONE", timeout: float = 30.0
+) -> None:
+    """Wait until the store records step ``name`` of ``task_id`` in ``state``.
+
+    A test that kills, freezes or expires a task "after step X" waits for this, never
+    for the step's side effect (a counter, a log line, a file): the effect happens
+    before the step is recorded, and a kill in between is a different crash point
+    (outcome unknown) with a different, correct, outcome.
+    """
+    wait_until(
+        lambda: any(s.name == name and s.state == state for s in store.steps(task_id)),
+        timeout=timeout,
+        message=f"step {name!r} of task {task_id} recorded {state}",
+    )
 
 
 # -- the counting stub of an external system ----------------------------------------------
