@@ -30,6 +30,7 @@ import dataclasses
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,12 @@ TEST_TIMINGS: dict[str, Any] = {
     "publish_grace": 0.5,
     "republish_after": 2.0,
 }
+
+#: The testing kit's plugin loads through its pytest11 entry point; an installation made
+#: before that entry point existed (pip install -e . not run again) loads it from here.
+KIT_PLUGIN = "celery_lease.testing.plugin"
+if not any(ep.name == "celery_lease" for ep in entry_points(group="pytest11")):
+    pytest_plugins = [KIT_PLUGIN]
 
 # shared CI machines are slow now and then: no per-example deadline
 hypothesis_settings.register_profile("celery_lease", deadline=None, max_examples=100)

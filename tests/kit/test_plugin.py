@@ -19,6 +19,8 @@ import pytest
 import celery_lease.testing.plugin as plugin
 from celery_lease.testing import pid_alive
 
+from .. import conftest
+
 APP = """
 from celery import Celery
 
@@ -59,12 +61,17 @@ def test_the_apps_settings_are_given_back():
 """
 
 
+def plugin_args() -> list[str]:
+    """``-p`` the kit's plugin for an installation older than its entry point."""
+    return ["-p", conftest.KIT_PLUGIN] if hasattr(conftest, "pytest_plugins") else []
+
+
 def run_pytest(project: Path, redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["CELERY_LEASE_TESTING_BROKER_URL"] = redis_url
     env["GROUP_FILE"] = str(project / "group.txt")
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+        [sys.executable, "-m", "pytest", *plugin_args(), "-p", "no:cacheprovider", "-q", *args],
         cwd=project,
         env=env,
         capture_output=True,
