@@ -18,6 +18,7 @@ from .notify import attach
 from .store import Store
 
 if TYPE_CHECKING:
+    from .pause import PauseCache
     from .worker import WorkerService
 
 _runtimes: weakref.WeakKeyDictionary[Celery, Runtime] = weakref.WeakKeyDictionary()
@@ -96,6 +97,16 @@ class Runtime:
         self._store: Store | None = None
         self._store_pid = 0
         self._lock = threading.Lock()
+        self._pauses: PauseCache | None = None
+
+    @property
+    def pauses(self) -> PauseCache:
+        """What is paused, as this process last read it (see :mod:`celery_lease.pause`)."""
+        if self._pauses is None:
+            from .pause import PauseCache
+
+            self._pauses = PauseCache(self.config.heartbeat_interval)
+        return self._pauses
 
     @property
     def config(self) -> _config.LeaseConfig:

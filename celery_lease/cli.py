@@ -895,3 +895,13 @@ def metrics(ctx: click.Context, port: int, addr: str, window: float) -> None:
         pass
     finally:
         server.shutdown()
+
+
+def _register_incident_commands() -> None:
+    from ._cli_incident import COMMANDS
+
+    for command in COMMANDS:
+        lease.add_command(command)
+
+
+_register_incident_commands()

@@ -24,6 +24,7 @@ from . import config as _config
 from ._runtime import Incarnation, Runtime, runtime
 from .exceptions import CeleryLeaseError, StoreError
 from .heartbeat import Heartbeat
+from .pause import QueueWatcher
 from .reaper import Reaper
 
 logger = logging.getLogger("celery_lease.worker")
@@ -236,9 +237,18 @@ class LeaseStep(bootsteps.StartStopStep):
             logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)
             raise SystemExit(78) from error  # EX_CONFIG
         self.service = rt.service
+        self.watcher = _watch_paused_queues(rt, worker)
 
     def start(self, worker: Any) -> None:
         self.service.start()
+        if self.watcher is not None:
+            from .pause import consumer_controls
+
+            self.watcher.start(*consumer_controls(worker))
+
+    def stop(self, worker: Any) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
 
     def terminate(self, worker: Any) -> None:
         """Cold shutdown. Celery sends no ``worker_shutdown`` then (only a warm shutdown
@@ -248,6 +258,29 @@ class LeaseStep(bootsteps.StartStopStep):
         if rt.service is not None and rt.incarnation is not None:
             rt.service.shutdown("cold shutdown")
             rt.service = None
+
+
+def _watch_paused_queues(rt: Runtime, worker: Any) -> QueueWatcher | None:
+    """Before the consumer starts: leave out the queues paused now (a worker started
+    during a pause does not consume them), and follow pauses from then on."""
+
+    queues = worker.app.amqp.queues
+    names = list(queues.consume_from)
+    watcher = QueueWatcher(rt.store, rt.config.heartbeat_interval, names)
+    try:
+        paused = watcher.paused_now()
+    except StoreError as error:
+        logger.warning("celery-lease: paused queues not read at start (%s)", error)
+        paused = set()
+    if paused:
+        queues.deselect(sorted(paused))
+        logger.warning(
+            "celery-lease: worker %s starts without the paused queues %s",
+            worker.hostname,
+            ", ".join(sorted(paused)),
+        )
+    watcher.paused = paused
+    return watcher
 
 
 @signals.worker_shutdown.connect(weak=False)
