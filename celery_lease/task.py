@@ -18,7 +18,7 @@ from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import policy
-from ._crashpoints import crash_point
+from ._crashpoints import armed, crash_point, step_crash_point
 from ._execution import Execution, encode
 from ._limits import check_submission
 from ._runtime import runtime
@@ -332,6 +332,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             # stops it before any of its code runs again
             execution.boundary()
             retval = self.run(*args, **kwargs)
+            if armed():
+                step_crash_point("before_outcome", self.name)
         except Retry:
             raise
         except LeaseLost as lost:

@@ -22,10 +22,11 @@ from celery.worker.request import Request
 
 from . import config as _config
 from ._runtime import Incarnation, Runtime, runtime
-from .exceptions import CeleryLeaseError, StoreError
-from .heartbeat import Heartbeat
+from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
+from .heartbeat import Heartbeat, renewal_config
 from .pause import QueueWatcher
 from .reaper import Reaper
+from .store import Store
 
 logger = logging.getLogger("celery_lease.worker")
 
@@ -82,6 +83,75 @@ def _shortest_ttl(rt: Runtime) -> float:
     return min(ttls)
 
 
+def _pid_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # someone else's process: alive
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return False  # no /proc (not Linux): alive as far as we can tell
+    return stat[stat.rindex(")") + 2 :].startswith(("Z", "X"))
+
+
+def _dead_predecessors(store: Store, inc: Incarnation, ttl: float, interval: float) -> list[str]:
+    """The earlier incarnations under this node name that are gone, so their leases can
+    be expired at once; raises :class:`ConfigurationError` if one is alive.
+
+    A restart under the same name must expire its dead predecessor's leases at once
+    (no TTL wait), but a second live worker started under the same name must not:
+    its tasks are running. An incarnation is gone when its heartbeat is older than
+    the TTL (the reaper would expire it anyway), or when it ran on this host with a
+    pid that is gone now (or is ours: a container restarted under the same host name
+    starts at the same pid). One on another host with a fresh heartbeat is watched
+    for up to a TTL: alive if its heartbeat moves, gone if it ages past the TTL.
+    """
+    dead: list[str] = []
+    watched: dict[str, Any] = {}
+    deadline = time.monotonic() + ttl + interval
+    while True:
+        alive = []
+        for peer in store.peers(inc.nodename, inc.id):
+            if peer.id in dead:
+                continue
+            if peer.heartbeat_age > ttl:
+                dead.append(peer.id)
+            elif peer.hostname == inc.hostname:
+                if peer.pid == inc.pid or _pid_gone(peer.pid):
+                    dead.append(peer.id)
+                else:
+                    alive.append((peer, f"pid {peer.pid} is running on this host"))
+            elif peer.id in watched and watched[peer.id] != peer.heartbeat_at:
+                alive.append((peer, "its heartbeat is being renewed"))
+            else:
+                watched.setdefault(peer.id, peer.heartbeat_at)
+        if alive:
+            peer, why = alive[0]
+            raise ConfigurationError(
+                f"another worker named {inc.nodename} is running (incarnation {peer.id} on "
+                f"host {peer.hostname}, pid {peer.pid}, heartbeat {peer.heartbeat_age:.1f} s "
+                f"ago: {why}); two live workers under one name would expire each other's "
+                "leases: give each worker a unique name (celery worker -n)"
+            )
+        pending = [w for w in watched if w not in dead]
+        if not pending:
+            return dead
+        if time.monotonic() >= deadline:
+            return dead + pending  # not renewed for a whole TTL: gone
+        logger.warning(
+            "worker %s: an earlier incarnation on another host has a fresh heartbeat; "
+            "waiting up to %.1f s to tell a restart from a live duplicate",
+            inc.nodename,
+            deadline - time.monotonic(),
+        )
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
 class WorkerService:
     """Everything celery-lease runs in a worker's main process."""
 
@@ -90,17 +160,24 @@ class WorkerService:
         cfg = rt.config
         self.store = store = rt.store
         inc = Incarnation(uuid.uuid4().hex, nodename, socket.gethostname(), os.getpid())
-        predecessors = store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid)
+        ttl = _shortest_ttl(rt)
+        store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid, supersede=False)
+        try:
+            predecessors = _dead_predecessors(store, inc, ttl, cfg.heartbeat_interval)
+        except ConfigurationError as error:
+            store.stop_worker(inc.id, f"refused to start: {error}")
+            raise
+        store.supersede(predecessors, inc.id)
         # set before the pool forks: children inherit the incarnation and its flags
         rt.incarnation = self.incarnation = inc
         self.reaper = Reaper(rt.app, actor=f"reaper:{nodename}", store=store)
         self._events: queue.Queue[tuple[str, str, str]] = queue.Queue()
         self._stopping = threading.Event()
         self.heartbeat = Heartbeat(
-            store,
+            Store(renewal_config(cfg, ttl)),
             inc,
             interval=cfg.heartbeat_interval,
-            ttl=_shortest_ttl(rt),
+            ttl=ttl,
             on_recovered=self._expire_own,
         )
         self._thread = threading.Thread(target=self._loop, name="celery-lease-reaper", daemon=True)
@@ -197,6 +274,7 @@ class WorkerService:
         """Mark the incarnation stopped; leases it still holds expire at once."""
         self._stopping.set()
         self.heartbeat.stop()
+        self.heartbeat.store.dispose()
         inc = self.incarnation
         try:
             self.store.stop_worker(inc.id, reason)
@@ -221,6 +299,51 @@ class WorkerService:
             )
 
 
+#: Start-up failures that say the database answered and refused us: waiting will not
+#: help (libpq gives these without a SQLSTATE, so they are known by their text).
+_REFUSED_AT_CONNECT = (
+    "does not exist",
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "permission denied",
+)
+
+
+def _start_service(rt: Runtime, nodename: str) -> WorkerService:
+    """Start the worker's service, waiting for a database that cannot be reached yet.
+
+    Like Celery's ``broker_connection_retry_on_startup``: a database restarting (or
+    not up yet) when the worker starts is retried with backoff for up to
+    ``lease_db_startup_timeout``; a configuration error (a bad URL, a missing driver,
+    an out-of-date schema, a database or role that does not exist, a live worker under
+    the same name) ends the start at once.
+    """
+    cfg = rt.config
+    give_up = time.monotonic() + cfg.db_startup_timeout
+    pause = 0.5
+    while True:
+        try:
+            return WorkerService(rt, nodename)
+        except StoreUnavailable as error:
+            cause = str(error.__cause__ or "")
+            if any(text in cause for text in _REFUSED_AT_CONNECT):
+                raise StoreError(str(error)) from error
+            left = give_up - time.monotonic()
+            if not cfg.db_retry_on_startup or left <= 0:
+                raise
+            wait = min(pause, left)
+            logger.warning(
+                "celery-lease: worker %s: %s; retrying in %.1f s (giving up in %.0f s, "
+                "lease_db_startup_timeout)",
+                nodename,
+                error,
+                wait,
+                left,
+            )
+            time.sleep(wait)
+            pause = min(pause * 2, 10.0)
+
+
 class LeaseStep(bootsteps.StartStopStep):
     """Worker bootstep: register the incarnation before the pool forks, then start the
     heartbeat and embedded reaper threads. Shutdown is handled on ``worker_shutdown``,
@@ -231,7 +354,7 @@ class LeaseStep(bootsteps.StartStopStep):
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         rt = runtime(worker.app)
         try:
-            rt.service = WorkerService(rt, worker.hostname)
+            rt.service = _start_service(rt, worker.hostname)
         except CeleryLeaseError as error:
             # refuse to start rather than run tasks without leases
             logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)

@@ -95,7 +95,8 @@ def test_a_paused_task_name_is_held_not_lost_across_a_restart(
     p = lease_env.project(broker_url=broker_url, **FAST)
     api = admin(p.module.app)
     assert api.pause(task="t.add", reason="partner API down", actor="alice")
-    worker = p.worker(concurrency=2)
+    # a node name of its own: on RabbitMQ the remote-control queue is per node name
+    worker = p.worker(f"held-{uuid.uuid4().hex[:8]}", concurrency=2)
     first = p.submit("t.add", 1, 1)
     wait_held(p, first)
     p.wait_log(worker, r"delivery dropped without running: task t\.add is paused")
