@@ -10,24 +10,12 @@ from typing import Any
 from celery._state import get_current_task
 
 from ._crashpoints import armed, step_crash_point
-from .exceptions import CeleryLeaseError, LeaseLost, NotSerializable, TaskCancelled
+from .exceptions import DuplicateStep, LeaseLost, NotSerializable, TaskCancelled
 from .states import STEP_DONE as DONE
 from .states import STEP_STARTED as STARTED
 from .store import Claim, FenceResult, RecordedStep, Store
 
 _MISSING = object()
-
-
-class DuplicateStep(CeleryLeaseError, ValueError):
-    """A step name was used twice in one run of a task."""
-
-    def __init__(self, task_id: str, name: str) -> None:
-        self.task_id = task_id
-        self.name = name
-        super().__init__(
-            f"step {name!r} used twice in one run of task {task_id}: "
-            "give each call a distinct name (e.g. f'send:{user_id}')"
-        )
 
 
 def encode(what: str, value: Any, limit: int | None = None) -> str:

@@ -21,7 +21,7 @@ from . import policy
 from ._crashpoints import armed, crash_point, step_crash_point
 from ._execution import Execution, encode
 from ._limits import check_submission
-from ._runtime import runtime
+from ._runtime import install, runtime
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
 from .states import State
@@ -69,10 +69,12 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Hook celery-lease into the app the first time a leased task binds to it."""
-        from .worker import install
-
-        install(app)
+        """Hook celery-lease into the app the first time a leased task binds to it, and
+        record the task among the app's leased ones (the worker fences itself after the
+        shortest TTL)."""
+        rt = install(app)
+        if cls.name is not None:
+            rt.leased.add(cls.name)
 
     def lease_options(self, config: LeaseConfig) -> dict[str, Any]:
         """This task's lease options with the app's defaults applied, validated."""
@@ -592,7 +594,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 def _count_duplicate(store: Store) -> None:
     """Raise the ``duplicates_dropped`` counter; a failure to count never changes what
     happens to the delivery."""
-    from .store._retention import DUPLICATES_DROPPED
+    from .store import DUPLICATES_DROPPED
 
     try:
         store.add_counts({DUPLICATES_DROPPED: 1})

@@ -14,73 +14,24 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from celery import Celery, bootsteps, signals
 from celery.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
-from . import config as _config
-from ._runtime import Incarnation, Runtime, runtime
+from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
 from .heartbeat import Heartbeat, renewal_config
-from .pause import QueueWatcher
+from .pause import QueueWatcher, consumer_controls
 from .reaper import Reaper
 from .store import Store
 
 logger = logging.getLogger("celery_lease.worker")
 
-_install_lock = threading.Lock()
-BEAT_ENTRY = "celery-lease-reap"
-
-
-def install(app: Celery) -> Runtime:
-    """Hook celery-lease into ``app`` (idempotent).
-
-    Called automatically when a ``LeasedTask`` binds to the app; call it yourself
-    only to install before any leased task is defined. Adds the worker bootstep,
-    the beat entry for the reaper (``lease_beat_reaper``) and the signal handlers.
-    """
-    rt = runtime(app)
-    with _install_lock:
-        if rt.installed:
-            return rt
-        rt.installed = True
-    app.steps["worker"].add(LeaseStep)
-    if getattr(app, "configured", False):
-        _add_beat_entry(app)
-    else:
-        app.on_after_configure.connect(_on_configured, weak=False)
-    return rt
-
-
-def _on_configured(sender: Celery, **kwargs: Any) -> None:
-    if runtime(sender).installed:
-        _add_beat_entry(sender)
-
-
-def _add_beat_entry(app: Celery) -> None:
-    cfg = _config.from_mapping(app.conf)
-    if cfg.beat_reaper and BEAT_ENTRY not in (app.conf.beat_schedule or {}):
-        app.add_periodic_task(
-            cfg.reaper_interval,
-            app.signature("celery_lease.reap"),
-            name=BEAT_ENTRY,
-            expires=max(cfg.reaper_interval, 1.0),
-        )
-
-
-def _shortest_ttl(rt: Runtime) -> float:
-    """The shortest lease TTL among the app's leased tasks: after that long without a
-    heartbeat some lease may already have been taken over, so the worker self-fences."""
-    from .task import LeasedTask
-
-    ttls = [rt.config.ttl]
-    for task in rt.app.tasks.values():
-        ttl = getattr(task, "lease_ttl", None)
-        if isinstance(task, LeasedTask) and ttl is not None:
-            ttls.append(float(ttl))
-    return min(ttls)
+#: The service of each app's worker main process (none in its pool children's use).
+_services: weakref.WeakKeyDictionary[Celery, WorkerService] = weakref.WeakKeyDictionary()
 
 
 def _pid_gone(pid: int) -> bool:
@@ -160,7 +111,7 @@ class WorkerService:
         cfg = rt.config
         self.store = store = rt.store
         inc = Incarnation(uuid.uuid4().hex, nodename, socket.gethostname(), os.getpid())
-        ttl = _shortest_ttl(rt)
+        ttl = rt.shortest_ttl()
         store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid, supersede=False)
         try:
             predecessors = _dead_predecessors(store, inc, ttl, cfg.heartbeat_interval)
@@ -352,41 +303,38 @@ class LeaseStep(bootsteps.StartStopStep):
     label = "celery-lease"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
-        rt = runtime(worker.app)
         try:
-            rt.service = _start_service(rt, worker.hostname)
+            service = _start_service(runtime(worker.app), worker.hostname)
         except CeleryLeaseError as error:
             # refuse to start rather than run tasks without leases
             logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)
             raise SystemExit(78) from error  # EX_CONFIG
-        self.service = rt.service
-        self.watcher = _watch_paused_queues(rt, worker)
+        self.service = _services[worker.app] = service
+        self.watcher = _watch_paused_queues(runtime(worker.app), worker)
 
     def start(self, worker: Any) -> None:
         self.service.start()
-        if self.watcher is not None:
-            from .pause import consumer_controls
-
-            self.watcher.start(*consumer_controls(worker))
+        self.watcher.start(*consumer_controls(worker))
 
     def stop(self, worker: Any) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
+        self.watcher.stop()
 
     def terminate(self, worker: Any) -> None:
         """Cold shutdown. Celery sends no ``worker_shutdown`` then (only a warm shutdown
         does), so record it here: the incarnation is marked stopped and the leases it
         holds expire at once, before the pool kills the children running them."""
-        rt = runtime(worker.app)
-        if rt.service is not None and rt.incarnation is not None:
-            rt.service.shutdown("cold shutdown")
-            rt.service = None
+        _shutdown(worker.app, "cold shutdown")
 
 
-def _watch_paused_queues(rt: Runtime, worker: Any) -> QueueWatcher | None:
+def _shutdown(app: Celery, reason: str) -> None:
+    service = _services.pop(app, None)
+    if service is not None and runtime(app).incarnation is not None:
+        service.shutdown(reason)
+
+
+def _watch_paused_queues(rt: Runtime, worker: Any) -> QueueWatcher:
     """Before the consumer starts: leave out the queues paused now (a worker started
     during a pause does not consume them), and follow pauses from then on."""
-
     queues = worker.app.amqp.queues
     names = list(queues.consume_from)
     watcher = QueueWatcher(rt.store, rt.config.heartbeat_interval, names)
@@ -411,10 +359,7 @@ def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None:
         return
-    rt = runtime(app)
-    if rt.service is not None and rt.incarnation is not None:
-        rt.service.shutdown("shutdown")
-        rt.service = None
+    _shutdown(app, "shutdown")
 
 
 @signals.task_revoked.connect(weak=False)
@@ -428,8 +373,8 @@ def _on_task_revoked(
     task = sender
     if request is None or not getattr(task, "Request", "").startswith("celery_lease."):
         return
-    rt = runtime(task.app)
-    if rt.service is None:
+    service = _services.get(task.app)
+    if service is None:
         return
     if terminated:
         # recorded as a cancel request before the child's death is handled as a lost
@@ -439,7 +384,7 @@ def _on_task_revoked(
         reason = "expired before it ran (expires option)"
     else:
         reason = "revoked before it ran"
-    rt.service.revoked(request.id, reason)
+    service.revoked(request.id, reason)
 
 
 class LeasedRequest(Request):
@@ -447,7 +392,7 @@ class LeasedRequest(Request):
     pool child running it dies or hits its hard time limit (no TTL wait)."""
 
     def _service(self) -> WorkerService | None:
-        return runtime(self.task.app).service
+        return _services.get(self.task.app)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -482,3 +427,6 @@ class LeasedRequest(Request):
             service = self._service()
             if not soft and service is not None:  # after Celery's FAILURE, as above
                 service.child_lost(self.id, f"hard time limit ({timeout} s) exceeded")
+
+
+__all__ = ["BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install"]

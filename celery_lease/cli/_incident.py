@@ -1,7 +1,4 @@
-"""``celery lease pause / resume / pauses``: the commands an incident needs.
-
-Registered on the ``lease`` group by :mod:`celery_lease.cli`.
-"""
+"""``celery lease pause / resume / pauses``: the commands an incident needs."""
 
 from __future__ import annotations
 
@@ -9,7 +6,8 @@ from typing import Any
 
 import click
 
-from . import cli as _cli
+from . import _common as _cli
+from ._render import Table, _print_json, ago
 
 
 def _target_options(fn: Any) -> Any:
@@ -22,7 +20,7 @@ def _check_target(queue: str | None, task: str | None) -> None:
         raise click.UsageError("name exactly one of --queue or --task")
 
 
-@click.command()
+@_cli.lease.command()
 @_target_options
 @click.option("--reason", "-r", required=True, help="Why, for the audit trail (required).")
 @_cli.actor_option
@@ -44,7 +42,7 @@ def pause(
     changed = api.pause(queue=queue, task=task, reason=reason, actor=actor)
     kind, target = ("queue", queue) if queue is not None else ("task", task)
     if as_json:
-        _cli._print_json({"kind": kind, "target": target, "paused": True, "changed": changed})
+        _print_json({"kind": kind, "target": target, "paused": True, "changed": changed})
         return
     if changed:
         click.echo(f"{kind} {target} paused (workers follow within a heartbeat interval)")
@@ -52,7 +50,7 @@ def pause(
         click.echo(f"{kind} {target} was already paused: nothing changed")
 
 
-@click.command()
+@_cli.lease.command()
 @_target_options
 @click.option("--reason", "-r", required=True, help="Why, for the audit trail (required).")
 @_cli.actor_option
@@ -73,7 +71,7 @@ def resume(
     changed = api.resume(queue=queue, task=task, reason=reason, actor=actor)
     kind, target = ("queue", queue) if queue is not None else ("task", task)
     if as_json:
-        _cli._print_json({"kind": kind, "target": target, "paused": False, "changed": changed})
+        _print_json({"kind": kind, "target": target, "paused": False, "changed": changed})
         return
     if changed:
         click.echo(f"{kind} {target} resumed")
@@ -81,7 +79,7 @@ def resume(
         click.echo(f"{kind} {target} was not paused: nothing changed")
 
 
-@click.command()
+@_cli.lease.command()
 @click.option("--history", is_flag=True, help="Every pause and resume, newest first.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @_cli.json_option
@@ -95,24 +93,21 @@ def pauses(ctx: click.Context, history: bool, limit: int, as_json: bool) -> None
     if history:
         events = api.pause_history(limit=limit)
         if as_json:
-            _cli._print_json(events)
+            _print_json(events)
             return
-        log = _cli.Table(["WHEN", "ACTION", "KIND", "TARGET", "ACTOR", "REASON"], {})
+        log = Table(["WHEN", "ACTION", "KIND", "TARGET", "ACTOR", "REASON"], {})
         for e in events:
-            log.add(_cli.ago(e.at, now), e.action, e.kind, e.target, e.actor, e.reason)
+            log.add(ago(e.at, now), e.action, e.kind, e.target, e.actor, e.reason)
         log.render(color)
         return
     rows = api.pauses()
     if as_json:
-        _cli._print_json(rows)
+        _print_json(rows)
         return
     if not rows:
         click.echo("Nothing is paused.", err=True)
         return
-    table = _cli.Table(["KIND", "TARGET", "SINCE", "ACTOR", "REASON"], {})
+    table = Table(["KIND", "TARGET", "SINCE", "ACTOR", "REASON"], {})
     for p in rows:
-        table.add(p.kind, p.target, _cli.ago(p.paused_at, now), p.actor, p.reason)
+        table.add(p.kind, p.target, ago(p.paused_at, now), p.actor, p.reason)
     table.render(color)
-
-
-COMMANDS = (pause, resume, pauses)
