@@ -31,10 +31,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import ReturningUpdate
 
 from .. import states
-from .._redact import safe_url
 from ..config import LeaseConfig
 from ..states import State
 from . import _engine
+from ._redact import safe_url
 from ._sql import db_now
 from ._types import Lease
 from .schema import Tables, build
