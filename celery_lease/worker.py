@@ -20,6 +20,7 @@ from celery import Celery, bootsteps, signals
 from celery.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
+from . import _stores  # noqa: F401  (registers the lease_store remote-control command)
 from . import config as _config
 from ._runtime import Incarnation, Runtime, runtime
 from .exceptions import CeleryLeaseError, StoreError
