@@ -10,6 +10,9 @@ Readable tables on a terminal (colour only there; ``-C``/``NO_COLOR`` turn it of
 3     the lease database (or the broker) is unreachable, or the schema is out of date
 4     no task with this id
 ====  ==========================================================================
+
+A command on several ids tries every id and exits with the worst code met (3, then 2,
+then 4, then 1), not the first; an unreachable store stops it at once (3).
 """
 
 from __future__ import annotations
@@ -44,6 +47,20 @@ EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_STORE = 3
 EXIT_NOT_FOUND = 4
+
+#: Exit codes from the mildest to the worst: a command on several ids exits with the
+#: worst one met (a refusal is often expected, e.g. retrying a task already retried; a
+#: missing id is a typo; bad input is a wrong command; an unreachable store is an outage).
+SEVERITY = (EXIT_REFUSED, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_STORE)
+
+
+def worst(*codes: int) -> int:
+    """The most severe of exit ``codes`` (0 when all are 0)."""
+    found = [c for c in codes if c]
+    if not found:
+        return 0
+    return max(found, key=lambda c: SEVERITY.index(c) if c in SEVERITY else len(SEVERITY))
+
 
 #: Seconds an operator command waits for the result backend and Flower to be told.
 NOTIFY_TIMEOUT = 5.0
@@ -687,17 +704,19 @@ def _act(
     as_json: bool,
     act: Callable[[Any, str], tuple[str, dict[str, Any]]],
 ) -> None:
-    """Apply ``act`` to each id; one line (or JSON object) per id; exit with the worst code."""
+    """Apply ``act`` to each id; one line (or JSON object) per id; exit with the worst code
+    met (:data:`SEVERITY`), not the first."""
     api = _admin(ctx)
-    worst = 0
+    code = 0
     results = []
     color = _color(ctx)
     for task_id in ids:
         try:
             message, data = act(api, task_id)
         except (IllegalTransition, TaskNotFound, ValueError) as error:
-            code = exit_code(error)
-            worst = worst or code
+            # a StoreError is not caught: the store is down for the next id too, and 3
+            # (the worst code) is what handle_errors exits with
+            code = worst(code, exit_code(error))
             results.append({"id": task_id, "ok": False, "error": str(error)})
             if not as_json:
                 click.echo(click.style(f"Error: {error}", fg="red"), err=True, color=color)
@@ -708,8 +727,8 @@ def _act(
     if as_json:
         _print_json(results)
     _flush(api)
-    if worst:
-        sys.exit(worst)
+    if code:
+        sys.exit(code)
 
 
 def _reason_option(required: bool) -> Callable[[F], F]:

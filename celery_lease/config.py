@@ -42,6 +42,8 @@ def resolve_database_url(url: str) -> str:
     if os.path.isabs(path) and path == database:
         return url
     return parsed.set(database=os.path.abspath(path)).render_as_string(hide_password=False)
+
+
 #: Default ``lease_retention``: finished rows are kept a week.
 DEFAULT_RETENTION = 7 * 86400.0
 
