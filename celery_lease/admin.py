@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from celery import Celery
 from ._execution import encode
 from ._runtime import default_actor, runtime
 from .exceptions import IllegalTransition, TaskNotFound
+from .health import DURATION_SAMPLE, TaskHealth, percentile, state_counts, task_health
 from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State
@@ -28,8 +28,6 @@ PURGEABLE_DEFAULT = (State.SUCCEEDED, State.CANCELLED)
 PURGEABLE = frozenset({State.SUCCEEDED, State.CANCELLED, State.FAILED})
 #: Seconds of history ``stats()`` summarizes by default (run durations, rates).
 STATS_WINDOW = 3600.0
-#: Run durations read per ``stats()`` call at most (the most recent ones).
-_DURATION_SAMPLE = 10_000
 _FINISHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
 
 
@@ -55,6 +53,23 @@ class Stats:
     #: FAILED / finished and CANCELLED / finished within the window (``None``: none finished).
     failure_rate: float | None = None
     cancel_rate: float | None = None
+    #: 95th percentile run duration (seconds), as ``run_p50`` and ``run_p99``.
+    run_p95: float | None = None
+    #: The same figures per task name, with its backlog and its limits.
+    tasks: tuple[TaskHealth, ...] = ()
+    #: Counts of SUCCEEDED, FAILED or CANCELLED past ``health.COUNT_CAP`` rows are PostgreSQL's
+    #: estimates (planner statistics): counting them exactly would read the whole table.
+    counts_estimated: bool = False
+    #: Totals since the tables were created: finished rows deleted by retention,
+    #: messages re-published by the reaper, duplicate deliveries dropped at claim.
+    purged: int = 0
+    republished: int = 0
+    duplicates_dropped: int = 0
+
+    @property
+    def zombies(self) -> int:
+        """RUNNING tasks whose lease expired and which no reaper has moved yet."""
+        return self.expired_unreaped
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -68,17 +83,13 @@ class Stats:
             "run_p99": self.run_p99,
             "failure_rate": self.failure_rate,
             "cancel_rate": self.cancel_rate,
+            "run_p95": self.run_p95,
+            "counts_estimated": self.counts_estimated,
+            "purged": self.purged,
+            "republished": self.republished,
+            "duplicates_dropped": self.duplicates_dropped,
+            "tasks": [t.as_dict() for t in self.tasks],
         }
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-quantile (0..1) of ``values`` by linear interpolation (``None`` if empty)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class Admin:
@@ -151,10 +162,14 @@ class Admin:
         if not window > 0:
             raise ValueError("window must be a positive number of seconds")
         store = self.store
-        counts = store.counts()
-        finished = store.finished_counts(_FINISHED, window)
-        total = sum(finished.values())
-        durations = store.run_durations(window, limit=_DURATION_SAMPLE)
+        counts, estimated = state_counts(store)
+        tasks = task_health(store, window)
+        totals: dict[State, int] = dict.fromkeys(_FINISHED, 0)
+        for f in store.finished_by_name(window):
+            totals[f.state] += f.count
+        total = sum(totals.values())
+        durations = [r.seconds for r in store.recent_runtimes(window, DURATION_SAMPLE)]
+        counters = store.counters()
         return Stats(
             counts=counts,
             running=counts[State.RUNNING],
@@ -164,8 +179,14 @@ class Admin:
             finished=total,
             run_p50=percentile(durations, 0.5),
             run_p99=percentile(durations, 0.99),
-            failure_rate=finished[State.FAILED] / total if total else None,
-            cancel_rate=finished[State.CANCELLED] / total if total else None,
+            failure_rate=totals[State.FAILED] / total if total else None,
+            cancel_rate=totals[State.CANCELLED] / total if total else None,
+            run_p95=percentile(durations, 0.95),
+            tasks=tuple(tasks),
+            counts_estimated=estimated,
+            purged=counters["purged"],
+            republished=counters["republished"],
+            duplicates_dropped=counters["duplicates_dropped"],
         )
 
     # -- acting -----------------------------------------------------------------------
@@ -319,6 +340,7 @@ __all__ = [
     "STATS_WINDOW",
     "Admin",
     "Stats",
+    "TaskHealth",
     "admin",
     "parse_state",
     "percentile",

@@ -640,17 +640,31 @@ def stats(ctx: click.Context, window: float, as_json: bool) -> None:
     expired = str(snapshot.expired_unreaped)
     if snapshot.expired_unreaped:
         expired = click.style(expired + "  (is a reaper running?)", fg="red")
+    if snapshot.counts_estimated:
+        click.echo("(finished counts past 100,000 are PostgreSQL's estimates)")
     click.echo("")
     for label, value in (
         ("expired, not reaped", expired),
         ("oldest PENDING", span(snapshot.oldest_pending_age)),
         (f"finished in {span(snapshot.window)}", str(snapshot.finished)),
         ("run time p50", span(snapshot.run_p50)),
+        ("run time p95", span(snapshot.run_p95)),
         ("run time p99", span(snapshot.run_p99)),
         ("failure rate", rate(snapshot.failure_rate)),
         ("cancel rate", rate(snapshot.cancel_rate)),
+        ("re-published (total)", str(snapshot.republished)),
+        ("duplicates dropped", str(snapshot.duplicates_dropped)),
+        ("purged (total)", str(snapshot.purged)),
     ):
         click.echo(f"{label:<22}{value}", color=color)
+    if snapshot.tasks:
+        from ._cli_ops import TASK_HEADERS, task_rows
+
+        click.echo("")
+        per_task = Table(TASK_HEADERS, {})
+        for row in task_rows(snapshot.tasks):
+            per_task.add(*row)
+        per_task.render(color)
 
 
 @lease.command()
@@ -909,13 +923,20 @@ def purge(
 @lease.command()
 @click.option("--port", type=click.IntRange(0, 65535), required=True, help="Port to serve on.")
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to bind.")
+@click.option(
+    "--window",
+    callback=_duration,
+    default="5m",
+    show_default=True,
+    help="History the per-task figures cover.",
+)
 @click.pass_context
 @handle_errors
-def metrics(ctx: click.Context, port: int, addr: str) -> None:
+def metrics(ctx: click.Context, port: int, addr: str, window: float) -> None:
     """Serve Prometheus metrics over HTTP until interrupted (needs the prometheus extra)."""
     from .metrics import serve
 
-    server = serve(_app(ctx), port=port, addr=addr)
+    server = serve(_app(ctx), port=port, addr=addr, window=window)
     host, bound = server.server_address[:2]
     click.echo(f"serving celery-lease metrics on http://{host}:{bound}/metrics", err=True)
     try:

@@ -17,7 +17,25 @@ to_state}``
 ``celery_lease_worker_alive{worker}``           gauge      1 while its heartbeat is within TTL
 ``celery_lease_worker_running_tasks{worker}``   gauge      RUNNING tasks it owns
 ``celery_lease_purged_total``                   counter    finished rows deleted by retention
+``celery_lease_republished_total``              counter    messages re-published by the reaper
+``celery_lease_duplicates_dropped_total``       counter    duplicate deliveries dropped at claim
+``celery_lease_task_runtime_seconds{task,       gauge      run-time percentiles over the
+quantile}``                                                window (SUCCEEDED and FAILED runs)
+``celery_lease_task_max_runtime_seconds{task}`` gauge      the task's ``max_runtime``
+``celery_lease_task_lease_ttl_seconds{task}``   gauge      the task's ``lease_ttl``
+``celery_lease_task_finished{task,state}``      gauge      tasks finished within the window
+``celery_lease_task_failure_ratio{task}``       gauge      FAILED / finished within the window
+``celery_lease_task_cancel_ratio{task}``        gauge      CANCELLED / finished within it
+``celery_lease_task_pending{task}``             gauge      PENDING tasks (the backlog)
+``celery_lease_task_oldest_pending_age_seconds  gauge      age of its oldest PENDING task
+{task}``
+``celery_lease_counts_estimated``               gauge      1 if a finished state's count is
+                                                           PostgreSQL's estimate
 ==============================================  =========  ==================================
+
+The window of the per-task figures is ``window`` seconds (default 300; ``lease metrics
+--window``). Counts of SUCCEEDED, FAILED and CANCELLED rows beyond 100,000 each are
+PostgreSQL's planner estimates, so a scrape stays cheap however large the table is.
 
 The counters are read from the audit table incrementally: rows older than a settle
 time are folded into an in-memory total once, so ``lease purge`` deleting old audit
@@ -38,6 +56,7 @@ from celery import Celery
 
 from ._runtime import runtime
 from .exceptions import CeleryLeaseError, MissingDependencyError
+from .health import TaskHealth, state_counts, task_health
 from .states import State
 from .store import Store
 
@@ -52,7 +71,73 @@ _Pair = tuple[str, str]
 #: Counters kept in the ``counters`` table (they count events that leave no row).
 _COUNTERS = {
     "purged": "Finished rows deleted by retention (lease_retention)",
+    "republished": "Messages the reaper published again (lost, or never marked published)",
+    "duplicates_dropped": "Deliveries dropped at claim without running (duplicates, stale)",
 }
+
+#: Seconds of history the per-task figures cover by default.
+WINDOW = 300.0
+
+
+def _task_families(core: Any, health: list[TaskHealth]) -> Iterator[Any]:
+    runtime_ = core.GaugeMetricFamily(
+        "celery_lease_task_runtime_seconds",
+        "Run-time percentiles of SUCCEEDED and FAILED runs within the window",
+        labels=["task", "quantile"],
+    )
+    max_runtime = core.GaugeMetricFamily(
+        "celery_lease_task_max_runtime_seconds",
+        "max_runtime of the task's most recent run (absent: no limit)",
+        labels=["task"],
+    )
+    ttl = core.GaugeMetricFamily(
+        "celery_lease_task_lease_ttl_seconds",
+        "lease_ttl of the task's most recent run",
+        labels=["task"],
+    )
+    finished = core.GaugeMetricFamily(
+        "celery_lease_task_finished",
+        "Tasks that finished within the window, by final state",
+        labels=["task", "state"],
+    )
+    failure = core.GaugeMetricFamily(
+        "celery_lease_task_failure_ratio",
+        "FAILED / finished within the window",
+        labels=["task"],
+    )
+    cancel = core.GaugeMetricFamily(
+        "celery_lease_task_cancel_ratio",
+        "CANCELLED / finished within the window",
+        labels=["task"],
+    )
+    pending = core.GaugeMetricFamily(
+        "celery_lease_task_pending", "PENDING tasks (the backlog)", labels=["task"]
+    )
+    oldest = core.GaugeMetricFamily(
+        "celery_lease_task_oldest_pending_age_seconds",
+        "Seconds since the task's oldest PENDING row was submitted",
+        labels=["task"],
+    )
+    for h in health:
+        for q, v in (("0.5", h.run_p50), ("0.95", h.run_p95), ("0.99", h.run_p99)):
+            if v is not None:
+                runtime_.add_metric([h.name, q], v)
+        if h.max_runtime is not None:
+            max_runtime.add_metric([h.name], h.max_runtime)
+        if h.lease_ttl is not None:
+            ttl.add_metric([h.name], h.lease_ttl)
+        if h.finished:
+            for state, n in (
+                (State.SUCCEEDED, h.succeeded),
+                (State.FAILED, h.failed),
+                (State.CANCELLED, h.cancelled),
+            ):
+                finished.add_metric([h.name, state.value], n)
+            failure.add_metric([h.name], h.failure_rate or 0.0)
+            cancel.add_metric([h.name], h.cancel_rate or 0.0)
+        pending.add_metric([h.name], h.pending)
+        oldest.add_metric([h.name], h.oldest_pending_age or 0.0)
+    yield from (runtime_, max_runtime, ttl, finished, failure, cancel, pending, oldest)
 
 
 def _prometheus() -> Any:
@@ -88,11 +173,18 @@ class TransitionTotals:
 class LeaseCollector:
     """A ``prometheus_client`` collector reading the lease tables of ``app`` at each scrape."""
 
-    def __init__(self, app: Celery, store: Store | None = None, settle: float = SETTLE) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        store: Store | None = None,
+        settle: float = SETTLE,
+        window: float = WINDOW,
+    ) -> None:
         self.prom = _prometheus()
         self.app = app
         self._store = store
         self.totals = TransitionTotals(settle)
+        self.window = window
 
     @property
     def store(self) -> Store:
@@ -126,13 +218,20 @@ class LeaseCollector:
 
     def _families(self, core: Any) -> Iterator[Any]:
         store = self.store
-        counts = store.counts()
+        counts, estimated = state_counts(store)
         tasks = core.GaugeMetricFamily(
             "celery_lease_tasks", "Leased tasks per state", labels=["state"]
         )
         for state in State:
             tasks.add_metric([state.value], counts.get(state, 0))
         yield tasks
+        guess = core.GaugeMetricFamily(
+            "celery_lease_counts_estimated",
+            "1 if a finished state's count in celery_lease_tasks is PostgreSQL's estimate",
+        )
+        guess.add_metric([], 1 if estimated else 0)
+        yield guess
+        yield from _task_families(core, task_health(store, self.window))
 
         expired = core.GaugeMetricFamily(
             "celery_lease_expired_unreaped",
@@ -198,11 +297,13 @@ class LeaseCollector:
         yield running
 
 
-def registry(app: Celery, store: Store | None = None, settle: float = SETTLE) -> Any:
+def registry(
+    app: Celery, store: Store | None = None, settle: float = SETTLE, window: float = WINDOW
+) -> Any:
     """A ``prometheus_client.CollectorRegistry`` holding only the lease collector."""
     prom = _prometheus()
     reg = prom.CollectorRegistry(auto_describe=False)
-    reg.register(LeaseCollector(app, store, settle))
+    reg.register(LeaseCollector(app, store, settle, window))
     return reg
 
 
@@ -212,13 +313,14 @@ def serve(
     addr: str = "0.0.0.0",
     store: Store | None = None,
     settle: float = SETTLE,
+    window: float = WINDOW,
 ) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from a background thread; returns the server
     (``server.shutdown()`` stops it; ``server.server_address`` says where it listens)."""
     prom = _prometheus()
-    reg = registry(app, store, settle)
+    reg = registry(app, store, settle, window)
     server, _thread = prom.start_http_server(port, addr=addr, registry=reg)
     return server
 
 
-__all__ = ["SETTLE", "LeaseCollector", "TransitionTotals", "registry", "serve"]
+__all__ = ["SETTLE", "WINDOW", "LeaseCollector", "TransitionTotals", "registry", "serve"]

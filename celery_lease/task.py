@@ -270,6 +270,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         if isinstance(claim, Refusal):
             if claim.early:
                 self._publish_again(store, inc.actor, task_id)
+            else:
+                _count_duplicate(store)
             logger.info(
                 "task %s[%s]: delivery dropped without running (%s)", self.name, req.id, claim.why
             )
@@ -571,3 +573,14 @@ class LeasedTask(Task):  # type: ignore[type-arg]
     def check_cancelled(self) -> None:
         """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
         self._execution().boundary()
+
+
+def _count_duplicate(store: Store) -> None:
+    """Raise the ``duplicates_dropped`` counter; a failure to count never changes what
+    happens to the delivery."""
+    from .store._retention import DUPLICATES_DROPPED
+
+    try:
+        store.add_counts({DUPLICATES_DROPPED: 1})
+    except StoreError as error:
+        logger.debug("duplicate delivery not counted: %s", error)

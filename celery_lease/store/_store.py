@@ -41,6 +41,7 @@ from ..exceptions import SchemaOutOfDate
 from ..states import STEP_STARTED, Actor, State
 from . import migrations
 from ._base import StoreBase, TransitionEvent, bind, state_is
+from ._health import HealthMixin
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
 from ._retention import RetentionMixin
@@ -78,7 +79,7 @@ def _submit_params(new: NewTask) -> dict[str, Any]:
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
-class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, StoreBase):
+class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin, StoreBase):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
 
     def __init__(self, config: LeaseConfig) -> None:
