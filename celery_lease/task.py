@@ -508,7 +508,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         self._retry_outcome(
             execution,
             delay,
-            f"retry {retries + 1} of {limit if limit is not None else 'unlimited'}, "
+            f"retry {retries + 1} {f'of {limit}' if limit is not None else '(no limit)'}, "
             f"due in {delay:.3g} s",
             described,
         )
