@@ -95,6 +95,15 @@ class LeaseConfig:
     sqlite_busy_timeout: float = 30.0
     #: Backend statement retries for transient errors (connection lost) before giving up.
     db_retries: int = 3
+    #: Longest a store call may take, retries included: past it the call ends with
+    #: ``StoreUnavailable`` (PostgreSQL: also the session's statement and lock timeouts).
+    db_timeout: float = 10.0
+    #: Longest opening one PostgreSQL connection may take (libpq rounds up to >= 2 s).
+    db_connect_timeout: float = 5.0
+    #: A worker started while the database is unreachable waits and retries, with
+    #: backoff, for up to ``db_startup_timeout`` seconds before it exits.
+    db_retry_on_startup: bool = True
+    db_startup_timeout: float = 60.0
     #: Seconds a SUCCEEDED, FAILED or CANCELLED row is kept after ``finished_at``; the
     #: reaper then deletes it with its steps and audit rows (and so frees its dedup
     #: key). ``None`` keeps every row. It must exceed the longest time a message can be
@@ -117,6 +126,9 @@ class LeaseConfig:
             "lease_republish_after": self.republish_after,
             "lease_publish_grace": self.publish_grace,
             "lease_sqlite_busy_timeout": self.sqlite_busy_timeout,
+            "lease_db_timeout": self.db_timeout,
+            "lease_db_connect_timeout": self.db_connect_timeout,
+            "lease_db_startup_timeout": self.db_startup_timeout,
         }
         for key, value in positive.items():
             if not value > 0:
@@ -179,6 +191,10 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_pool_size": ("pool_size", int),
     "lease_sqlite_busy_timeout": ("sqlite_busy_timeout", float),
     "lease_db_retries": ("db_retries", int),
+    "lease_db_timeout": ("db_timeout", float),
+    "lease_db_connect_timeout": ("db_connect_timeout", float),
+    "lease_db_retry_on_startup": ("db_retry_on_startup", bool),
+    "lease_db_startup_timeout": ("db_startup_timeout", float),
     "lease_retention": ("retention", float),
     "lease_retention_batch_size": ("retention_batch_size", int),
     "lease_send_events": ("send_events", bool),

@@ -38,6 +38,18 @@ class NotSerializable(CeleryLeaseError, TypeError):
         super().__init__(f"{what} cannot be stored as JSON: {error}")
 
 
+class DuplicateStep(CeleryLeaseError, ValueError):
+    """A step name was used twice in one run of a task."""
+
+    def __init__(self, task_id: str, name: str) -> None:
+        self.task_id = task_id
+        self.name = name
+        super().__init__(
+            f"step {name!r} used twice in one run of task {task_id}: "
+            "give each call a distinct name (e.g. f'send:{user_id}')"
+        )
+
+
 class InvalidSubmission(CeleryLeaseError):
     """A submission is outside the documented limits; ``argument`` names what is wrong.
 

@@ -20,8 +20,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from ._crashpoints import crash_point
 from ._runtime import runtime
 from .states import State
-from .store import Expiry, Publishable, Store
-from .store._retention import REPUBLISHED
+from .store import REPUBLISHED, Expiry, Publishable, Store
 
 logger = logging.getLogger("celery_lease.reaper")
 

@@ -18,10 +18,10 @@ from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import policy
-from ._crashpoints import crash_point
+from ._crashpoints import armed, crash_point, step_crash_point
 from ._execution import Execution, encode
 from ._limits import check_submission
-from ._runtime import runtime
+from ._runtime import install, runtime
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
 from .states import State
@@ -69,10 +69,12 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Hook celery-lease into the app the first time a leased task binds to it."""
-        from .worker import install
-
-        install(app)
+        """Hook celery-lease into the app the first time a leased task binds to it, and
+        record the task among the app's leased ones (the worker fences itself after the
+        shortest TTL)."""
+        rt = install(app)
+        if cls.name is not None:
+            rt.leased.add(cls.name)
 
     def lease_options(self, config: LeaseConfig) -> dict[str, Any]:
         """This task's lease options with the app's defaults applied, validated."""
@@ -266,6 +268,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
                 inc.nodename,
             )
             raise Ignore()
+        if self._held_by_pause(rt, store, req):
+            raise Ignore()
         claim = store.claim(task_id, inc.id, inc.actor, adopt=adopt)
         if isinstance(claim, Refusal):
             if claim.early:
@@ -289,6 +293,25 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         finally:
             _current.reset(token)
 
+    def _held_by_pause(self, rt: Any, store: Store, req: Any) -> bool:
+        """A delivery of a paused task name (or prefetched from a paused queue) is not
+        run: its PENDING row is marked for publishing again and waits for the pause to end
+        (:mod:`celery_lease.pause`). Whether this delivery was held."""
+        queue = (req.delivery_info or {}).get("routing_key")
+        pause = rt.pauses.match(store, self.name, queue)
+        if pause is None or not store.hold_for_pause(req.id):
+            return False
+        logger.info(
+            "task %s[%s]: delivery dropped without running: %s %s is paused (%s); "
+            "published again when it is resumed",
+            self.name,
+            req.id,
+            pause.kind,
+            pause.target,
+            pause.reason,
+        )
+        return True
+
     def _publish_again(
         self, store: Store, actor: str, task_id: str, delay: float | None = None
     ) -> bool:
@@ -311,6 +334,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             # stops it before any of its code runs again
             execution.boundary()
             retval = self.run(*args, **kwargs)
+            if armed():
+                step_crash_point("before_outcome", self.name)
         except Retry:
             raise
         except LeaseLost as lost:
@@ -578,7 +603,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 def _count_duplicate(store: Store) -> None:
     """Raise the ``duplicates_dropped`` counter; a failure to count never changes what
     happens to the delivery."""
-    from .store._retention import DUPLICATES_DROPPED
+    from .store import DUPLICATES_DROPPED
 
     try:
         store.add_counts({DUPLICATES_DROPPED: 1})

@@ -81,6 +81,23 @@ def wait_until(
         time.sleep(interval)
 
 
+def wait_step(
+    store: Store, task_id: str, name: str, state: str = "DONE", timeout: float = 30.0
+) -> None:
+    """Wait until the store records step ``name`` of ``task_id`` in ``state``.
+
+    A test that kills, freezes or expires a task "after step X" waits for this, never
+    for the step's side effect (a counter, a log line, a file): the effect happens
+    before the step is recorded, and a kill in between is a different crash point
+    (outcome unknown) with a different, correct, outcome.
+    """
+    wait_until(
+        lambda: any(s.name == name and s.state == state for s in store.steps(task_id)),
+        timeout=timeout,
+        message=f"step {name!r} of task {task_id} recorded {state}",
+    )
+
+
 # -- the counting stub of an external system ----------------------------------------------
 
 

@@ -133,7 +133,9 @@ class StoreBase:
                 self._dispatch(events)
             return result
 
-        return _engine.retrying(attempt, retries=self.config.db_retries, url=self.url)
+        return _engine.retrying(
+            attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
+        )
 
     def _single_then(
         self,
@@ -175,7 +177,9 @@ class StoreBase:
             ):
                 return fn(conn)
 
-        return _engine.retrying(attempt, retries=self.config.db_retries, url=self.url)
+        return _engine.retrying(
+            attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
+        )
 
     def _insert(self, table: Any) -> Any:
         return (postgresql.insert if self.is_pg else sqlite.insert)(table)

@@ -39,9 +39,15 @@ def _retention(conn: Connection, tables: Tables) -> None:
     tables.counters.create(conn, checkfirst=True)
 
 
+def _pauses(conn: Connection, tables: Tables) -> None:
+    tables.pauses.create(conn, checkfirst=True)
+    tables.pause_log.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
+    Migration(3, "durable pauses per queue and task name, with their audit log", _pauses),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

@@ -108,6 +108,8 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
             "locks",
             "schema_version",
             "counters",
+            "pauses",
+            "pause_log",
         )
     }
     assert migrated == expected
@@ -121,11 +123,13 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         id="kept", name="t", args="[]", kwargs="{}", options="{}", lease_ttl=1.0, max_recoveries=1
     )
     store.submit(task)
-    # back to what version 1 created: no finished index, no counters table
+    # back to what version 1 created: no finished index, counters or pauses
     t = store.t
     with store.engine.begin() as conn:
         next(i for i in t.tasks.indexes if i.name.endswith("_finished")).drop(conn)
         t.counters.drop(conn)
+        t.pauses.drop(conn)
+        t.pause_log.drop(conn)
         conn.execute(t.version.delete().where(t.version.c.version > 1))
     assert store.schema_version() == 1
     assert store.migrate() == (1, SCHEMA_VERSION)

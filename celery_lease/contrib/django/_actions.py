@@ -14,8 +14,8 @@ from typing import Any
 
 from django import forms
 
-from ...admin import Admin
 from ...exceptions import IllegalTransition, TaskNotFound
+from ...operations import Admin
 from ...states import State, action_sources
 
 
