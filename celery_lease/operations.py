@@ -17,7 +17,7 @@ from typing import Any
 from celery import Celery
 
 from ._execution import encode
-from ._incident import PauseOps
+from ._incident import BulkOps, PauseOps
 from ._runtime import default_actor, runtime
 from .exceptions import IllegalTransition, TaskNotFound
 from .health import DURATION_SAMPLE, TaskHealth, percentile, snapshot, state_counts
@@ -96,7 +96,7 @@ class Stats:
         }
 
 
-class Admin(PauseOps):
+class Admin(PauseOps, BulkOps):
     """Read and act on leased tasks of one app."""
 
     def __init__(self, app: Celery) -> None:

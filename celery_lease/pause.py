@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .exceptions import StoreError
-from .store import Store
-from .store._pauses import KINDS, Pause, PauseEvent
+from .store import PAUSE_KINDS as KINDS
+from .store import Pause, PauseEvent, Store
 
 logger = logging.getLogger("celery_lease.pause")
 

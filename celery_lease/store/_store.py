@@ -41,6 +41,7 @@ from ..exceptions import SchemaOutOfDate
 from ..states import STEP_STARTED, Actor, State
 from . import migrations
 from ._base import StoreBase, TransitionEvent, bind, state_is
+from ._bulk import BulkMixin
 from ._health import HealthMixin
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
@@ -83,6 +84,7 @@ _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 class Store(
     StepsMixin,
     WorkersMixin,
+    BulkMixin,
     OperatorMixin,
     RetentionMixin,
     HealthMixin,
