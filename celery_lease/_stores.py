@@ -49,9 +49,8 @@ def lease_store(state: Any, **kwargs: Any) -> dict[str, Any]:
 
 def leased_tasks(app: Any) -> list[str]:
     """Names of ``app``'s leased tasks (what tells this app's workers from others')."""
-    from .task import LeasedTask
-
-    return sorted(name for name, task in app.tasks.items() if isinstance(task, LeasedTask))
+    app.tasks  # noqa: B018  (finalizes the app: every task binds, and leased ones record themselves)
+    return sorted(runtime(app).leased)
 
 
 def worker_stores(app: Any, timeout: float) -> dict[str, dict[str, Any]]:
