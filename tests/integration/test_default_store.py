@@ -64,9 +64,11 @@ def test_the_default_is_an_absolute_path_resolved_once(
 
 
 def test_check_finds_a_worker_on_another_default_store(
-    celery_project: Callable[..., WorkerProject], tmp_path: Path, harness: Any, redis_url: str
+    celery_project: Callable[..., WorkerProject], tmp_path: Path, harness: Any, broker_url: str
 ) -> None:
-    project = celery_project(SOURCE, broker_url=redis_url, env={"CELERY_LEASE_DATABASE_URL": ""})
+    # the question goes through each broker's remote control (Redis pub/sub, a RabbitMQ
+    # fanout exchange that every worker of the vhost answers: only this app's count)
+    project = celery_project(SOURCE, broker_url=broker_url, env={"CELERY_LEASE_DATABASE_URL": ""})
     worker = project.worker()
     worker.wait_ready(timeout=60)
     # the worker's cwd is the project's directory: its default store is there, printed
