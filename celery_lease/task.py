@@ -352,17 +352,31 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             raise Ignore() from lost
         except TaskCancelled as cancelled:
             self._outcome(
-                execution, State.CANCELLED, reason=f"cancelled: {cancelled.reason or 'requested'}"
+                execution,
+                State.CANCELLED,
+                reason=f"cancelled: {cancelled.reason or 'an operator asked for it'}",
             )
             raise Ignore() from cancelled
         except Ignore:
-            self._outcome(execution, State.SUCCEEDED, reason="task raised Ignore")
+            self._outcome(
+                execution, State.SUCCEEDED, reason="task raised Ignore: recorded as succeeded"
+            )
             raise
         except Reject as reject:
             if getattr(reject, "requeue", False):
-                self._retry_outcome(execution, 0.0, "task rejected with requeue", repr(reject))
+                self._retry_outcome(
+                    execution,
+                    0.0,
+                    "task rejected its message with requeue: retried at once",
+                    repr(reject),
+                )
             else:
-                self._outcome(execution, State.FAILED, reason="task rejected", error=repr(reject))
+                self._outcome(
+                    execution,
+                    State.FAILED,
+                    reason="task rejected its message without requeue",
+                    error=repr(reject),
+                )
             raise
         except StoreError:
             # the database failed, not the task: no outcome can be written now, and the
@@ -375,7 +389,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             self._outcome(
                 execution,
                 State.FAILED,
-                reason="task raised",
+                reason=f"task raised {type(error).__name__}",
                 error=f"{type(error).__name__}: {error}",
             )
             raise
@@ -409,7 +423,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         try:
             return encode("result", value, limit), "succeeded"
         except NotSerializable as error:
-            return None, f"succeeded; result not stored ({error})"
+            return None, f"succeeded, but the result was not stored: {error}"
 
     def _outcome(
         self,
@@ -493,20 +507,14 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         retries = execution.claim.retries
         described = f"{type(exc).__name__}: {exc}" if exc is not None else None
         if limit is not None and retries >= limit:
-            if self.on_exhausted == "manual":
-                self._outcome(
-                    execution,
-                    State.WAIT_MANUAL,
-                    reason=f"retries exhausted ({retries}/{limit}): {described or 'retry()'}",
-                    error=described,
-                )
-                raise Ignore()
-            self._outcome(
-                execution,
-                State.FAILED,
-                reason=f"retries exhausted ({retries}/{limit})",
-                error=described,
+            exhausted = (
+                f"retries exhausted: {retries} of {limit} used, and the task asked for another "
+                f"({described or 'retry() without an exception'})"
             )
+            if self.on_exhausted == "manual":
+                self._outcome(execution, State.WAIT_MANUAL, reason=exhausted, error=described)
+                raise Ignore()
+            self._outcome(execution, State.FAILED, reason=exhausted, error=described)
             if exc is not None:
                 raise exc
             raise self.MaxRetriesExceededError(
@@ -525,7 +533,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         self._retry_outcome(
             execution,
             delay,
-            f"retry {retries + 1}/{limit if limit is not None else 'unlimited'} in {delay:.3g} s",
+            f"retry {retries + 1} {f'of {limit}' if limit is not None else '(no limit)'}, "
+            f"due in {delay:.3g} s",
             described,
         )
         ret = Retry(exc=exc, when=delay)  # type: ignore[arg-type]

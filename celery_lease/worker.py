@@ -21,6 +21,7 @@ from celery import Celery, bootsteps, signals
 from celery.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
+from . import _stores  # noqa: F401  (registers the lease_store remote-control command)
 from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
 from .heartbeat import Heartbeat, renewal_config
@@ -381,7 +382,7 @@ def _on_task_revoked(
         # child (same queue, in order): the expiry then ends CANCELLED, not a retry
         reason = "revoked with terminate"
     elif expired:
-        reason = "expired before it ran (expires option)"
+        reason = "expired before it ran (its expires option passed)"
     else:
         reason = "revoked before it ran"
     service.revoked(request.id, reason)
@@ -401,9 +402,9 @@ class LeasedRequest(Request):
         exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback wrapper
         lost = None
         if isinstance(exc, WorkerLostError):
-            lost = f"pool child lost: {exc}"
+            lost = f"pool child lost while running the task: {exc}"
         elif isinstance(exc, (SystemExit, KeyboardInterrupt, Terminated)):
-            lost = f"pool child terminated: {exc!r}"
+            lost = f"pool child terminated while running the task: {exc!r}"
         elif isinstance(exc, StoreError):
             # the execution stopped on a database error: its lease must not outlive it
             # (the heartbeat is alive), and a claim that failed left its message
@@ -426,7 +427,9 @@ class LeasedRequest(Request):
         finally:
             service = self._service()
             if not soft and service is not None:  # after Celery's FAILURE, as above
-                service.child_lost(self.id, f"hard time limit ({timeout} s) exceeded")
+                service.child_lost(
+                    self.id, f"hard time limit of {timeout} s exceeded: the pool child was killed"
+                )
 
 
 __all__ = ["BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install"]
