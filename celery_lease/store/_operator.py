@@ -76,6 +76,7 @@ class OperatorMixin(StoreBase):
             cancel_requested_at=m["cancel_requested_at"],
             cancel_actor=m["cancel_actor"],
             cancel_reason=m["cancel_reason"],
+            message=m["message"],
         )
 
     def get(self, task_id: str) -> TaskRecord | None:

@@ -26,7 +26,7 @@ from sqlalchemy import (
 from ._sql import DbTime
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _ID = String(255)
 
@@ -64,6 +64,9 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("args", Text),
         Column("kwargs", Text),
         Column("options", Text),
+        # the message Celery built for the task (JSON: headers, properties, body):
+        # every publication sends it, so chains, callbacks and limits survive
+        Column("message", Text),
         Column("eta", DbTime()),
         Column("lease_ttl", Float, nullable=False),
         Column("max_runtime", Float),
