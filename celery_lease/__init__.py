@@ -20,6 +20,7 @@ from .exceptions import (
     StoreError,
     StoreUnavailable,
     TaskCancelled,
+    TaskFailed,
     TaskNotFound,
 )
 from .reaper import ReapReport, reap
@@ -50,6 +51,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TaskCancelled",
+    "TaskFailed",
     "TaskNotFound",
     "TaskRecord",
     "TransitionRecord",
