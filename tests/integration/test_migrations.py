@@ -105,6 +105,39 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
     assert migrated == expected
 
 
+def test_a_version_1_database_gains_the_message_column_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    store.submit(
+        NewTask(
+            id="old", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+        )
+    )
+    t, version = store.t.tasks, store.t.version
+    table = store.engine.dialect.identifier_preparer.format_table(t)
+    with store.engine.begin() as conn:  # the database as schema version 1 left it
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN message")
+        conn.execute(version.delete().where(version.c.version == 2))
+    assert store.schema_version() == 1
+
+    assert store.migrate() == (1, SCHEMA_VERSION)
+    record = store.get("old")
+    assert record is not None and record.args == [] and record.message is None
+    store.submit(
+        NewTask(
+            id="new",
+            name="t",
+            args="[]",
+            kwargs="{}",
+            options=None,
+            lease_ttl=30,
+            max_recoveries=5,
+            message='{"v": 1}',
+        )
+    )
+    assert store.get("new").message == '{"v": 1}'
+
+
 def test_migrate_is_idempotent(make_store):
     store = make_store(migrate=False)
     store.migrate()
