@@ -320,12 +320,17 @@ class LeasedRequest(Request):
     def _service(self) -> WorkerService | None:
         return runtime(self.task.app).service
 
-    def _lease_decides(self, reason: str) -> None:
-        """Hand a lost execution to the lease: the message is done with (the row is the
-        outbox now), the lease is expired at once by the main process."""
+    def _lease_decides(self, reason: str, *, worker_lost: bool = False) -> None:
+        """Hand a lost execution to the lease: the lease is expired at once by the main
+        process, which then re-publishes the row if the policy retries it. The message
+        is acknowledged, or requeued as Celery would (``reject_on_worker_lost``): a
+        redelivery is dropped at claim unless the row is waiting for it."""
         task_ready(self)
         if self.task.acks_late:
-            self.acknowledge()
+            if worker_lost and self.task.reject_on_worker_lost:
+                self.reject(requeue=True)
+            else:
+                self.acknowledge()
         service = self._service()
         if service is not None:
             service.child_lost(self.id, reason)
@@ -369,7 +374,7 @@ class LeasedRequest(Request):
                     if service is not None:
                         service.child_lost(self.id, why)
         if lost is not None:
-            return self._lease_decides(lost)
+            return self._lease_decides(lost, worker_lost=not isinstance(exc, TimeLimitExceeded))
         return super().on_failure(
             exc_info, send_failed_event=send_failed_event, return_ok=return_ok
         )
