@@ -7,25 +7,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from celery._state import get_current_task
 from celery.exceptions import Ignore
 
-from .exceptions import CeleryLeaseError, LeaseLost, NotSerializable, TaskCancelled
-from .store import Claim, FenceResult, Store
-from .store._steps import DONE, STARTED, RecordedStep
+from ._crashpoints import armed, step_crash_point
+from .exceptions import DuplicateStep, LeaseLost, NotSerializable, TaskCancelled
+from .states import STEP_DONE as DONE
+from .states import STEP_STARTED as STARTED
+from .store import Claim, FenceResult, RecordedStep, Store
 
 _MISSING = object()
-
-
-class DuplicateStep(CeleryLeaseError, ValueError):
-    """A step name was used twice in one run of a task."""
-
-    def __init__(self, task_id: str, name: str) -> None:
-        self.task_id = task_id
-        self.name = name
-        super().__init__(
-            f"step {name!r} used twice in one run of task {task_id}: "
-            "give each call a distinct name (e.g. f'send:{user_id}')"
-        )
 
 
 def encode(what: str, value: Any, limit: int | None = None) -> str:
@@ -51,6 +42,11 @@ class StoreDownDuringTask(Ignore):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.reason,))
+
+
+def _task_name() -> str | None:
+    task = get_current_task()
+    return None if task is None else str(task.name)
 
 
 class Execution:
@@ -144,11 +140,15 @@ class Execution:
             found = check(*args, **kwargs)
             if found is not None:
                 return self._store_result(name, found, idempotent=idempotent)
+        if armed():
+            step_crash_point("before_step", _task_name(), name)
         if not idempotent:
             self._answer(self.store.step_started(self.lease, name, checkable=check is not None))
             if self._cancel is not None:
                 raise TaskCancelled(self.task_id, self._cancel.cancel_reason)
         value = fn(*args, **kwargs)
+        if armed():
+            step_crash_point("after_step", _task_name(), name)
         return self._store_result(name, value, idempotent=idempotent)
 
     def _store_result(self, name: str, value: Any, *, idempotent: bool) -> Any:

@@ -38,6 +38,51 @@ class NotSerializable(CeleryLeaseError, TypeError):
         super().__init__(f"{what} cannot be stored as JSON: {error}")
 
 
+class DuplicateStep(CeleryLeaseError, ValueError):
+    """A step name was used twice in one run of a task."""
+
+    def __init__(self, task_id: str, name: str) -> None:
+        self.task_id = task_id
+        self.name = name
+        super().__init__(
+            f"step {name!r} used twice in one run of task {task_id}: "
+            "give each call a distinct name (e.g. f'send:{user_id}')"
+        )
+
+
+class InvalidSubmission(CeleryLeaseError):
+    """A submission is outside the documented limits; ``argument`` names what is wrong.
+
+    Raised by ``apply_async`` before anything is written or published, the same on every
+    store. Catch ``ValueError`` or ``TypeError`` (each subclass is one of them) or this.
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        self.argument = argument
+        super().__init__(message)
+
+
+class InvalidSubmissionValue(InvalidSubmission, ValueError):
+    """A submission argument has the right type but a value outside the limits."""
+
+
+class InvalidSubmissionType(InvalidSubmission, TypeError):
+    """A submission argument has a type celery-lease cannot store."""
+
+
+class ArgumentsTooLarge(InvalidSubmissionValue):
+    """The task's arguments, as JSON, exceed ``lease_args_max_bytes``."""
+
+    def __init__(self, argument: str, size: int, limit: int, task_name: str) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            argument,
+            f"{argument} of task {task_name}: {size} bytes as JSON, over lease_args_max_bytes "
+            f"({limit}); pass an id or a URL of the data instead of the data itself",
+        )
+
+
 class StoreError(CeleryLeaseError):
     """The database driver failed; the original error is in ``__cause__``."""
 

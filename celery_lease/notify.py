@@ -37,7 +37,7 @@ from celery import Celery
 from ._message import request_context
 from .exceptions import TaskFailed
 from .records import TaskRecord
-from .states import State
+from .states import CELERY_REPORTS, State
 from .store import Store, TransitionEvent
 
 logger = logging.getLogger("celery_lease.transitions")
@@ -71,16 +71,7 @@ BACKEND_STATES: dict[State, str] = {
 
 #: Transitions a task's own execution makes and Celery itself reports (result backend
 #: and ``task-succeeded``/``task-failed``/``task-retried`` events), or that are not news.
-_CELERY_REPORTS: frozenset[tuple[State | None, State]] = frozenset(
-    {
-        (None, State.PENDING),
-        (State.PENDING, State.RUNNING),
-        (State.RETRY_WAIT, State.PENDING),
-        (State.RUNNING, State.SUCCEEDED),
-        (State.RUNNING, State.FAILED),
-        (State.RUNNING, State.RETRY_WAIT),
-    }
-)
+_CELERY_REPORTS = CELERY_REPORTS
 
 #: Seconds :func:`flush` waits at interpreter exit for queued notifications.
 EXIT_TIMEOUT = 5.0

@@ -18,7 +18,7 @@ from . import _publisher
 from ._crashpoints import crash_point
 from ._runtime import runtime
 from .states import State
-from .store import Expiry, Publishable, Store
+from .store import REPUBLISHED, Expiry, Publishable, Store
 
 logger = logging.getLogger("celery_lease.reaper")
 
@@ -37,6 +37,8 @@ class ReapReport:
     due: int = 0
     republished: int = 0
     publish_failed: int = 0
+    #: Finished rows deleted by retention (``lease_retention``).
+    purged: int = 0
 
     def add_expiries(self, expiries: Sequence[Expiry]) -> None:
         self.expired += len(expiries)
@@ -48,7 +50,7 @@ class ReapReport:
 
     @property
     def total(self) -> int:
-        return self.expired + self.overrun + self.due + self.republished
+        return self.expired + self.overrun + self.due + self.republished + self.purged
 
 
 class Reaper:
@@ -84,9 +86,24 @@ class Reaper:
             report.publish_failed += failed
             if len(rows) < batch or failed:
                 break
+        self.store.add_counts({REPUBLISHED: report.republished})
+        self.purge_expired(report)
         if report.total:
             logger.info("reaper %s: %s", self.actor, report.as_dict())
         return report
+
+    def purge_expired(self, report: ReapReport | None = None) -> int:
+        """Retention: delete finished rows older than ``lease_retention``, in batches."""
+        report = report if report is not None else ReapReport()
+        cfg = self.store.config
+        if cfg.retention is None:
+            return 0
+        for _ in range(MAX_BATCHES):
+            n = self.store.purge_expired(cfg.retention)
+            report.purged += n
+            if n < cfg.retention_batch_size:
+                break
+        return report.purged
 
     def publish_due(self, report: ReapReport | None = None) -> int:
         """Move due RETRY_WAIT rows to PENDING and publish them."""

@@ -18,9 +18,10 @@ from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import _message, _publisher
-from ._crashpoints import crash_point
+from ._crashpoints import armed, crash_point, step_crash_point
 from ._execution import Execution, StoreDownDuringTask, encode
-from ._runtime import runtime
+from ._limits import Schedule, check_submission
+from ._runtime import install, runtime
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
 from .states import State
@@ -88,10 +89,12 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Hook celery-lease into the app the first time a leased task binds to it."""
-        from .worker import install
-
-        install(app)
+        """Hook celery-lease into the app the first time a leased task binds to it, and
+        record the task among the app's leased ones (the worker fences itself after the
+        shortest TTL)."""
+        rt = install(app)
+        if cls.name is not None:
+            rt.leased.add(cls.name)
 
     def lease_options(self, config: LeaseConfig) -> dict[str, Any]:
         """This task's lease options with the app's defaults applied, validated."""
@@ -153,6 +156,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
 
         Raises:
             NotSerializable: the arguments cannot be stored as JSON (nothing is published).
+            InvalidSubmission: an argument is outside the documented limits (a
+                ``ValueError`` or ``TypeError`` naming it; nothing is written).
         """
         app = self.app
         if app.conf.task_always_eager:
@@ -163,17 +168,16 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         if retrying is not None and task_id == retrying.task_id:
             # Celery's own retry() publishing the retry's message: it goes through the row
             return self._publish_retry(retrying, args, kwargs, producer, options)
-        if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
-            raise TypeError("dedup_key must be a non-empty string")
         rt = runtime(app)
         task_id = task_id or uuid()
-        # encoded first: arguments that cannot be stored raise before Celery runs
+        # checked first: arguments that cannot be stored raise before Celery runs
         args_text, kwargs_text = self._encode_arguments(args, kwargs)
+        when = self._check(rt.config, task_id, dedup_key, args_text, kwargs_text, options)
         outgoing = _message.build(
             self, args, kwargs, task_id, link, link_error, shadow, producer, **options
         )
         new = self._new_row(
-            rt.config, task_id, args_text, kwargs_text, dedup_key, options, outgoing.stored()
+            rt.config, task_id, args_text, kwargs_text, dedup_key, options, when, outgoing.stored()
         )
         if connection is not None:
             from ._outbox import submit_in_transaction
@@ -192,6 +196,32 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             encode(f"keyword arguments of {self.name}", dict(kwargs or {})),
         )
 
+    def _check(
+        self,
+        config: LeaseConfig,
+        task_id: str,
+        dedup_key: str | None,
+        args_text: str,
+        kwargs_text: str,
+        options: dict[str, Any],
+    ) -> Schedule:
+        """The documented limits of a submission, checked before anything is built or
+        written; its schedule (a naive ``eta`` is in the app's timezone, as Celery's
+        worker reads it)."""
+        eta = options.get("eta")
+        if isinstance(eta, datetime) and eta.tzinfo is None:
+            eta = eta.replace(tzinfo=self.app.timezone)
+        return check_submission(
+            task_name=self.name,
+            task_id=task_id,
+            dedup_key=dedup_key,
+            args_text=args_text,
+            kwargs_text=kwargs_text,
+            countdown=options.get("countdown"),
+            eta=eta,
+            args_max_bytes=config.args_max_bytes,
+        )
+
     def _new_row(
         self,
         config: LeaseConfig,
@@ -200,6 +230,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         kwargs_text: str,
         dedup_key: str | None,
         options: dict[str, Any],
+        when: Schedule,
         message: str | None,
     ) -> NewTask:
         routing: dict[str, Any] = {}
@@ -207,8 +238,6 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             value = options.get(key)
             if value is not None:
                 routing[key] = getattr(value, "name", value)
-        countdown = options.get("countdown")
-        eta = _aware_eta(self.app, options.get("eta"))
         return NewTask(
             id=task_id,
             name=self.name,
@@ -216,8 +245,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             kwargs=kwargs_text,
             options=dumps(routing),
             dedup_key=dedup_key,
-            countdown=float(countdown) if countdown is not None else None,
-            eta=eta if countdown is None else None,
+            countdown=when.countdown,
+            eta=when.eta,
             message=message,
             **self.lease_options(config),
         )
@@ -303,6 +332,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         if isinstance(claim, Refusal):
             if claim.early:
                 self._publish_again(store, inc.actor, task_id)
+            else:
+                _count_duplicate(store)
             logger.info(
                 "task %s[%s]: delivery dropped without running (%s)", self.name, req.id, claim.why
             )
@@ -340,6 +371,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             # stops it before any of its code runs again
             execution.boundary()
             retval = self.run(*args, **kwargs)
+            if armed():
+                step_crash_point("before_outcome", self.name)
         except Retry:
             raise
         except LeaseLost as lost:
@@ -684,3 +717,14 @@ class LeasedTask(Task):  # type: ignore[type-arg]
     def check_cancelled(self) -> None:
         """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
         self._execution().boundary()
+
+
+def _count_duplicate(store: Store) -> None:
+    """Raise the ``duplicates_dropped`` counter; a failure to count never changes what
+    happens to the delivery."""
+    from .store import DUPLICATES_DROPPED
+
+    try:
+        store.add_counts({DUPLICATES_DROPPED: 1})
+    except StoreError as error:
+        logger.debug("duplicate delivery not counted: %s", error)

@@ -81,6 +81,23 @@ def wait_until(
         time.sleep(interval)
 
 
+def wait_step(
+    store: Store, task_id: str, name: str, state: str = "DONE", timeout: float = 30.0
+) -> None:
+    """Wait until the store records step ``name`` of ``task_id`` in ``state``.
+
+    A test that kills, freezes or expires a task "after step X" waits for this, never
+    for the step's side effect (a counter, a log line, a file): the effect happens
+    before the step is recorded, and a kill in between is a different crash point
+    (outcome unknown) with a different, correct, outcome.
+    """
+    wait_until(
+        lambda: any(s.name == name and s.state == state for s in store.steps(task_id)),
+        timeout=timeout,
+        message=f"step {name!r} of task {task_id} recorded {state}",
+    )
+
+
 # -- the counting stub of an external system ----------------------------------------------
 
 
@@ -373,7 +390,12 @@ class WorkerProject:
         env: Mapping[str, str] | None = None,
         module: str | None = None,
         registry: ProcessRegistry | None = None,
+        python: str | None = None,
     ) -> None:
+        #: The interpreter of its workers. Another one (a virtualenv with celery-lease
+        #: installed from its wheel) imports what it has installed: neither this checkout
+        #: nor the test process's PYTHONPATH is on its path.
+        self.python = python
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.broker_url = broker_url
@@ -402,9 +424,13 @@ class WorkerProject:
         # the test process's pytest/coverage plumbing must not leak into workers
         for key in ("PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS", "PYTHONWARNINGS"):
             env.pop(key, None)
-        path = [str(self.directory), str(REPO_ROOT)]
-        if env.get("PYTHONPATH"):
-            path.append(env["PYTHONPATH"])
+        path = [str(self.directory)]
+        if self.python is None:
+            path.append(str(REPO_ROOT))
+            if env.get("PYTHONPATH"):
+                path.append(env["PYTHONPATH"])
+        else:
+            env.pop("VIRTUAL_ENV", None)
         env["PYTHONPATH"] = os.pathsep.join(path)
         env["PYTHONUNBUFFERED"] = "1"
         env["C_FORCE_ROOT"] = "1"
@@ -515,7 +541,7 @@ class WorkerProcess:
     @property
     def argv(self) -> list[str]:
         return [
-            sys.executable,
+            self.project.python or sys.executable,
             "-m",
             "celery",
             "-A",

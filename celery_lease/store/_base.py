@@ -26,6 +26,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .. import states
+from .._redact import safe_url
 from ..config import LeaseConfig
 from ..states import State
 from . import _engine
@@ -89,7 +90,7 @@ class StoreBase:
     def __init__(self, config: LeaseConfig) -> None:
         self.config = config
         self.engine = _engine.create(config)
-        self.url = _engine.safe_url(self.engine.url)
+        self.url = safe_url(self.engine.url)
         self.t: Tables = build(config.table_prefix, config.schema)
         self.dialect = self.engine.dialect.name
         self.is_pg = self.dialect == "postgresql"
@@ -132,7 +133,9 @@ class StoreBase:
                 self._dispatch(events)
             return result
 
-        return _engine.retrying(attempt, retries=self.config.db_retries, url=self.url)
+        return _engine.retrying(
+            attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
+        )
 
     def _single_then(
         self,
@@ -174,7 +177,9 @@ class StoreBase:
             ):
                 return fn(conn)
 
-        return _engine.retrying(attempt, retries=self.config.db_retries, url=self.url)
+        return _engine.retrying(
+            attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
+        )
 
     def _insert(self, table: Any) -> Any:
         return (postgresql.insert if self.is_pg else sqlite.insert)(table)

@@ -38,11 +38,13 @@ from sqlalchemy.dialects import postgresql
 from .. import policy, states
 from ..config import LeaseConfig
 from ..exceptions import SchemaOutOfDate
-from ..states import State
+from ..states import STEP_STARTED, Actor, State
 from . import migrations
 from ._base import StoreBase, TransitionEvent, bind, state_is
+from ._health import HealthMixin
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
+from ._retention import RetentionMixin
 from ._sql import after, db_now, greatest, seconds_between
 from ._steps import StepsMixin
 from ._types import Claim, Expiry, Lease, NewTask, Publishable, Refusal
@@ -78,7 +80,7 @@ def _submit_params(new: NewTask) -> dict[str, Any]:
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
-class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
+class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin, StoreBase):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
 
     def __init__(self, config: LeaseConfig) -> None:
@@ -458,10 +460,9 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         fenced by attempt and token. ``False``: the lease was lost; nothing was written."""
         t = self.t.tasks
         values: dict[str, Any] = {"finished_at": db_now(), "result": result, "error": error}
-        sources = [State.RUNNING]
-        if states.is_legal(State.WAIT_MANUAL, to) and to is not State.CANCELLED:
-            # over max_runtime the row went to WAIT_MANUAL but its owner kept running
-            sources.append(State.WAIT_MANUAL)
+        # RUNNING first; over max_runtime the row went to WAIT_MANUAL but its owner kept
+        # running, and may still finish from there
+        sources = sorted(states.sources(to, Actor.TASK), key=lambda s: s is not State.RUNNING)
 
         def fast(conn: Connection, _: bool) -> bool | None:
             moved = self._move_prepared(
@@ -656,7 +657,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             select(s.c.name)
             .where(
                 s.c.task_id == task_id,
-                s.c.state == "STARTED",
+                s.c.state == STEP_STARTED,
                 # only this attempt's calls can be in flight: a step left STARTED by an
                 # earlier attempt ended when its call raised and the task chose to retry
                 s.c.attempt == row.attempt,
@@ -866,13 +867,3 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             return self._publishable(rows)
 
         return self._tx(op)
-
-    # -- misc -------------------------------------------------------------------------
-
-    def now(self) -> Any:
-        """The database's current time."""
-        return self._read(lambda conn: conn.execute(select(db_now())).scalar_one())
-
-    def ping(self) -> None:
-        """Raise :class:`StoreUnavailable` unless the database answers."""
-        self._read(lambda conn: conn.execute(select(literal(1))).scalar_one())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import datetime
+from typing import Any
 
 from ..states import State
 
@@ -93,3 +94,16 @@ class FenceResult:
 
     cancel_requested: bool
     cancel_reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """Another live incarnation under the same node name (see ``Store.peers``)."""
+
+    id: str
+    hostname: str
+    pid: int
+    #: Seconds since its last heartbeat (database time).
+    heartbeat_age: float
+    #: Its last heartbeat as the database stores it (to see whether it moves).
+    heartbeat_at: Any

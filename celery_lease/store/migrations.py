@@ -32,6 +32,13 @@ def _baseline(conn: Connection, tables: Tables) -> None:
         table.create(conn, checkfirst=True)
 
 
+def _retention(conn: Connection, tables: Tables) -> None:
+    for index in tables.tasks.indexes:
+        if index.name == f"{tables.tasks.name}_finished":
+            index.create(conn, checkfirst=True)
+    tables.counters.create(conn, checkfirst=True)
+
+
 def _task_message(conn: Connection, tables: Tables) -> None:
     # the baseline creates today's tables, which already have the column
     tasks = tables.tasks
@@ -43,9 +50,8 @@ def _task_message(conn: Connection, tables: Tables) -> None:
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
-    Migration(
-        2, "tasks.message: the message Celery built, sent by every publication", _task_message
-    ),
+    Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
+    Migration(3, "tasks.message: the message Celery built for the task", _task_message),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

@@ -711,6 +711,7 @@ def test_schedule_retry_is_pending_at_once_and_due_in_database_time(store):
     assert store.take_due_retries(actor="reaper") == []
     early = store.claim(task_id, owner, "worker:w1@host")
     assert isinstance(early, Refusal) and early.early  # before its ETA, by database time
+
     def due() -> Claim | None:
         got = store.claim(task_id, owner, "worker:w1@host")
         return got if isinstance(got, Claim) else None

@@ -37,10 +37,17 @@ DEFAULTS = {
     "max_age": None,
     "max_runtime": None,
     "result_max_bytes": 65536,
+    "args_max_bytes": 1048576,
     "auto_migrate": False,
     "pool_size": 5,
     "sqlite_busy_timeout": 30.0,
     "db_retries": 3,
+    "db_timeout": 10.0,
+    "db_connect_timeout": 5.0,
+    "db_retry_on_startup": True,
+    "db_startup_timeout": 60.0,
+    "retention": 7 * 86400.0,
+    "retention_batch_size": 1000,
     "send_events": True,
     "result_backend_sync": True,
 }
@@ -52,6 +59,19 @@ def test_defaults():
 
 def test_empty_mapping_gives_the_defaults():
     assert from_mapping({}) == LeaseConfig()
+
+
+def test_retention_none_keeps_everything_and_unset_is_the_default():
+    assert from_mapping({"lease_retention": None}).retention is None
+    assert from_mapping({}).retention == config.DEFAULT_RETENTION
+    app = Celery(set_as_current=False)
+    assert from_mapping(app.conf).retention == config.DEFAULT_RETENTION
+    app.conf.lease_retention = None
+    assert from_mapping(app.conf).retention is None
+    app.conf.lease_retention = "3600"
+    assert from_mapping(app.conf).retention == 3600.0
+    with pytest.raises(ConfigurationError, match="lease_retention"):
+        LeaseConfig(retention=0)
 
 
 def test_every_field_has_exactly_one_setting():

@@ -20,9 +20,9 @@ from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
-from ...admin import Admin
-from ...admin import admin as operator_api
 from ...exceptions import IllegalTransition, StoreError, TaskNotFound
+from ...operations import Admin
+from ...operations import admin as operator_api
 from ...records import WorkerRecord
 from ...states import State
 from . import _conf

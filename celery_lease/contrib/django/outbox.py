@@ -92,11 +92,10 @@ def apply_async_on_commit(
         )
         return task.AsyncResult(task_id)
     dedup_key = options.pop("dedup_key", None)
-    if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
-        raise TypeError("dedup_key must be a non-empty string")
     publish_only = {key: options.pop(key, None) for key in _PUBLISH_ONLY}
     rt = runtime(task.app)
     args_text, kwargs_text = task._encode_arguments(args, kwargs)
+    when = task._check(rt.config, task_id, dedup_key, args_text, kwargs_text, options)
     outgoing = _message.build(
         task,
         args,
@@ -109,7 +108,7 @@ def apply_async_on_commit(
         **options,
     )
     new = task._new_row(
-        rt.config, task_id, args_text, kwargs_text, dedup_key, options, outgoing.stored()
+        rt.config, task_id, args_text, kwargs_text, dedup_key, options, when, outgoing.stored()
     )
     connection = connections[alias]
     check_same_database(rt.store, connection.settings_dict, alias)
