@@ -69,9 +69,6 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("args", Text),
         Column("kwargs", Text),
         Column("options", Text),
-        # the message Celery built for the task (JSON: headers, properties, body):
-        # every publication sends it, so chains, callbacks and limits survive
-        Column("message", Text),
         Column("eta", DbTime()),
         Column("lease_ttl", Float, nullable=False),
         Column("max_runtime", Float),
@@ -94,6 +91,10 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("cancel_requested_at", DbTime()),
         Column("cancel_actor", String(255)),
         Column("cancel_reason", Text),
+        # the message Celery built for the task (JSON: headers, properties, body):
+        # every publication sends it, so chains, callbacks and limits survive. Last, as
+        # the migration that added it left it
+        Column("message", Text),
         Index(f"{prefix}tasks_dedup_key", "dedup_key", unique=True),
         Index(f"{prefix}tasks_state_created", "state", "created_at"),
         Index(f"{prefix}tasks_name_state", "name", "state"),
