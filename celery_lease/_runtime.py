@@ -18,6 +18,7 @@ from celery import Celery
 from . import config as _config
 from ._incarnation import Incarnation, SharedFlags
 from .notify import attach
+from .pause import PauseCache
 from .store import Store
 
 #: The worker bootstep celery-lease adds (by path: the worker module sits above this one).
@@ -43,6 +44,14 @@ class Runtime:
         self._store: Store | None = None
         self._store_pid = 0
         self._lock = threading.Lock()
+        self._pauses: PauseCache | None = None
+
+    @property
+    def pauses(self) -> PauseCache:
+        """What is paused, as this process last read it (see :mod:`celery_lease.pause`)."""
+        if self._pauses is None:
+            self._pauses = PauseCache(self.config.heartbeat_interval)
+        return self._pauses
 
     @property
     def config(self) -> _config.LeaseConfig:

@@ -7,10 +7,7 @@ Details are attributes, not text to parse.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .states import State
+from ._state import State
 
 
 class CeleryLeaseError(Exception):

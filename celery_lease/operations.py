@@ -17,9 +17,10 @@ from typing import Any
 from celery import Celery
 
 from ._execution import encode
+from ._incident import BulkOps, PauseOps
 from ._runtime import default_actor, runtime
 from .exceptions import IllegalTransition, TaskNotFound
-from .health import DURATION_SAMPLE, TaskHealth, percentile, state_counts, task_health
+from .health import DURATION_SAMPLE, TaskHealth, percentile, snapshot, state_counts
 from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State
@@ -95,7 +96,7 @@ class Stats:
         }
 
 
-class Admin:
+class Admin(PauseOps, BulkOps):
     """Read and act on leased tasks of one app."""
 
     def __init__(self, app: Celery) -> None:
@@ -170,12 +171,11 @@ class Admin:
             raise ValueError("window must be a positive number of seconds")
         store = self.store
         counts, estimated = state_counts(store)
-        tasks = task_health(store, window)
-        totals: dict[State, int] = dict.fromkeys(_FINISHED, 0)
-        for f in store.finished_by_name(window):
-            totals[f.state] += f.count
+        window_read = snapshot(store, window, DURATION_SAMPLE)
+        tasks = window_read.tasks
+        totals = window_read.finished
         total = sum(totals.values())
-        durations = [r.seconds for r in store.recent_runtimes(window, DURATION_SAMPLE)]
+        durations = window_read.durations
         counters = store.counters()
         return Stats(
             counts=counts,

@@ -328,6 +328,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
                 inc.nodename,
             )
             raise Ignore()
+        if self._held_by_pause(rt, store, req):
+            raise Ignore()
         claim = store.claim(task_id, inc.id, inc.actor, adopt=adopt)
         if isinstance(claim, Refusal):
             if claim.early:
@@ -350,6 +352,25 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             return self._run(execution, rt.config.result_max_bytes, args, kwargs)
         finally:
             _current.reset(token)
+
+    def _held_by_pause(self, rt: Any, store: Store, req: Any) -> bool:
+        """A delivery of a paused task name (or prefetched from a paused queue) is not
+        run: its PENDING row is marked for publishing again and waits for the pause to end
+        (:mod:`celery_lease.pause`). Whether this delivery was held."""
+        queue = (req.delivery_info or {}).get("routing_key")
+        pause = rt.pauses.match(store, self.name, queue)
+        if pause is None or not store.hold_for_pause(req.id):
+            return False
+        logger.info(
+            "task %s[%s]: delivery dropped without running: %s %s is paused (%s); "
+            "published again when it is resumed",
+            self.name,
+            req.id,
+            pause.kind,
+            pause.target,
+            pause.reason,
+        )
+        return True
 
     def _publish_again(
         self, store: Store, actor: str, task_id: str, delay: float | None = None

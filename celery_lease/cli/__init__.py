@@ -15,7 +15,7 @@ Readable tables on a terminal (colour only there; ``-C``/``NO_COLOR`` turn it of
 from __future__ import annotations
 
 # the commands register themselves on the group
-from . import _acting, _maintenance, _reading  # noqa: F401
+from . import _acting, _incident, _maintenance, _reading  # noqa: F401
 from ._common import (
     EXIT_NOT_FOUND,
     EXIT_REFUSED,

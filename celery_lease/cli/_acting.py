@@ -22,6 +22,7 @@ from ._common import (
     json_option,
     lease,
 )
+from ._incident import with_filters
 from ._render import _print_json
 
 
@@ -66,10 +67,11 @@ def _reason_option(required: bool) -> Callable[[F], F]:
 
 
 @lease.command()
-@click.argument("task_ids", nargs=-1, required=True)
+@click.argument("task_ids", nargs=-1)
 @actor_option
 @_reason_option(False)
 @json_option
+@with_filters("retry")
 @click.pass_context
 @handle_errors
 def retry(
@@ -92,10 +94,11 @@ def retry(
 
 
 @lease.command()
-@click.argument("task_ids", nargs=-1, required=True)
+@click.argument("task_ids", nargs=-1)
 @actor_option
 @_reason_option(True)
 @json_option
+@with_filters("fail")
 @click.pass_context
 @handle_errors
 def fail(
@@ -111,11 +114,12 @@ def fail(
 
 
 @lease.command()
-@click.argument("task_ids", nargs=-1, required=True)
+@click.argument("task_ids", nargs=-1)
 @actor_option
 @_reason_option(True)
 @click.option("--result", "result_json", help="The task's result, as JSON (default: null).")
 @json_option
+@with_filters("resolve")
 @click.pass_context
 @handle_errors
 def resolve(
@@ -140,11 +144,12 @@ def resolve(
 
 
 @lease.command()
-@click.argument("task_ids", nargs=-1, required=True)
+@click.argument("task_ids", nargs=-1)
 @actor_option
 @_reason_option(False)
 @click.option("--terminate", is_flag=True, help="Also kill the process of a RUNNING task.")
 @json_option
+@with_filters("cancel")
 @click.pass_context
 @handle_errors
 def cancel(

@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 
@@ -93,7 +93,7 @@ def handle_errors(fn: F) -> F:
             click.echo("interrupted", err=True)
             sys.exit(130)
 
-    return wrapper  # type: ignore[return-value]
+    return cast(F, wrapper)
 
 
 def parse_duration(text: str) -> float:

@@ -41,9 +41,11 @@ from ..exceptions import SchemaOutOfDate
 from ..states import STEP_STARTED, Actor, State
 from . import migrations
 from ._base import StoreBase, TransitionEvent, bind, state_is
+from ._bulk import BulkMixin
 from ._health import HealthMixin
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
+from ._pauses import PausesMixin
 from ._retention import RetentionMixin
 from ._sql import after, db_now, greatest, seconds_between
 from ._steps import StepsMixin
@@ -80,7 +82,16 @@ def _submit_params(new: NewTask) -> dict[str, Any]:
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
-class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin, StoreBase):
+class Store(
+    StepsMixin,
+    WorkersMixin,
+    BulkMixin,
+    OperatorMixin,
+    RetentionMixin,
+    HealthMixin,
+    PausesMixin,
+    StoreBase,
+):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
 
     def __init__(self, config: LeaseConfig) -> None:
@@ -849,6 +860,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
             q = (
                 select(t.c.id)
                 .where(t.c.state == State.PENDING.value, or_(never, lost))
+                .where(self.paused_names_clause())  # held until the pause ends
                 .limit(batch)
             )
             if self.is_pg:

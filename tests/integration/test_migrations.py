@@ -108,6 +108,8 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
             "locks",
             "schema_version",
             "counters",
+            "pauses",
+            "pause_log",
         )
     }
     assert migrated == expected
@@ -121,11 +123,13 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         id="kept", name="t", args="[]", kwargs="{}", options="{}", lease_ttl=1.0, max_recoveries=1
     )
     store.submit(task)
-    # back to what version 1 created: no finished index, no counters table, no message
+    # back to what version 1 created: no finished index, counters, pauses or message
     t = store.t
     with store.engine.begin() as conn:
         next(i for i in t.tasks.indexes if i.name.endswith("_finished")).drop(conn)
         t.counters.drop(conn)
+        t.pauses.drop(conn)
+        t.pause_log.drop(conn)
         conn.exec_driver_sql(
             f"ALTER TABLE {store.engine.dialect.identifier_preparer.format_table(t.tasks)} "
             "DROP COLUMN message"
@@ -137,7 +141,7 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
     assert store.get("kept") is not None
 
 
-def test_a_version_2_database_gains_the_message_column_and_keeps_its_rows(make_store):
+def test_a_version_3_database_gains_the_message_column_and_keeps_its_rows(make_store):
     store = make_store(migrate=False)
     store.migrate()
     store.submit(
@@ -147,12 +151,12 @@ def test_a_version_2_database_gains_the_message_column_and_keeps_its_rows(make_s
     )
     t, version = store.t.tasks, store.t.version
     table = store.engine.dialect.identifier_preparer.format_table(t)
-    with store.engine.begin() as conn:  # the database as schema version 2 left it
+    with store.engine.begin() as conn:  # the database as schema version 3 left it
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN message")
-        conn.execute(version.delete().where(version.c.version == 3))
-    assert store.schema_version() == 2
+        conn.execute(version.delete().where(version.c.version == 4))
+    assert store.schema_version() == 3
 
-    assert store.migrate() == (2, SCHEMA_VERSION)
+    assert store.migrate() == (3, SCHEMA_VERSION)
     record = store.get("old")
     assert record is not None and record.args == [] and record.message is None
     store.submit(

@@ -110,7 +110,7 @@ ACTIONS: dict[str, LeaseAction] = {
 }
 
 
-class LeaseActionForm(forms.Form):  # type: ignore[misc]
+class LeaseActionForm(forms.Form):
     """Reason (and, for resolve, a JSON result) for an operator action."""
 
     reason = forms.CharField(

@@ -1,4 +1,4 @@
-"""Schema version 2: ``tasks.message``, the message Celery built for the task.
+"""Schema version 4: ``tasks.message``, the message Celery built for the task.
 
 The database side runs the lease store's own steps again (they add the column where it
 is missing); the state side adds the field to the read-only model.
@@ -10,7 +10,7 @@ from celery_lease.contrib.django import _migration
 
 
 class Migration(migrations.Migration):
-    dependencies = [("celery_lease", "0001_initial")]  # noqa: RUF012 (Django's API)
+    dependencies = [("celery_lease", "0002_operations")]  # noqa: RUF012 (Django's API)
 
     operations = [  # noqa: RUF012 (Django's API)
         migrations.SeparateDatabaseAndState(
