@@ -410,11 +410,15 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             raise Ignore() from lost
         except TaskCancelled as cancelled:
             self._outcome(
-                execution, State.CANCELLED, reason=f"cancelled: {cancelled.reason or 'requested'}"
+                execution,
+                State.CANCELLED,
+                reason=f"cancelled: {cancelled.reason or 'an operator asked for it'}",
             )
             raise Ignore() from cancelled
         except Ignore:
-            self._outcome(execution, State.SUCCEEDED, reason="task raised Ignore")
+            self._outcome(
+                execution, State.SUCCEEDED, reason="task raised Ignore: recorded as succeeded"
+            )
             raise
         except Reject as reject:
             if isinstance(getattr(reject, "reason", None), StoreError):
@@ -424,10 +428,19 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             if getattr(reject, "requeue", False):
                 # the broker keeps the message and delivers it again: the row waits for it
                 self._retry_outcome(
-                    execution, 0.0, "task rejected with requeue", repr(reject), requeued=True
+                    execution,
+                    0.0,
+                    "task rejected its message with requeue: retried at once",
+                    repr(reject),
+                    requeued=True,
                 )
             else:
-                self._outcome(execution, State.FAILED, reason="task rejected", error=repr(reject))
+                self._outcome(
+                    execution,
+                    State.FAILED,
+                    reason="task rejected its message without requeue",
+                    error=repr(reject),
+                )
             raise
         except StoreError:
             # the database failed, not the task: no outcome can be written now, and the
@@ -440,7 +453,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             self._outcome(
                 execution,
                 State.FAILED,
-                reason="task raised",
+                reason=f"task raised {type(error).__name__}",
                 error=f"{type(error).__name__}: {error}",
             )
             raise
@@ -515,7 +528,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         try:
             return encode("result", value, limit), "succeeded"
         except NotSerializable as error:
-            return None, f"succeeded; result not stored ({error})"
+            return None, f"succeeded, but the result was not stored: {error}"
 
     def _outcome(
         self,
@@ -608,16 +621,14 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         retries = execution.claim.retries
         described = f"{type(exc).__name__}: {exc}" if exc is not None else None
         if limit is not None and retries >= limit:
-            why = f"retries exhausted ({retries}/{limit})"
+            exhausted = (
+                f"retries exhausted: {retries} of {limit} used, and the task asked for another "
+                f"({described or 'retry() without an exception'})"
+            )
             if self.on_exhausted == "manual":
-                self._outcome(
-                    execution,
-                    State.WAIT_MANUAL,
-                    reason=f"{why}: {described or 'retry()'}",
-                    error=described,
-                )
+                self._outcome(execution, State.WAIT_MANUAL, reason=exhausted, error=described)
                 raise Ignore()
-            self._outcome(execution, State.FAILED, reason=why, error=described)
+            self._outcome(execution, State.FAILED, reason=exhausted, error=described)
             if exc is not None:
                 raise exc
             raise self.MaxRetriesExceededError(
@@ -666,8 +677,8 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         ok = self._retry_outcome(
             execution,
             delay,
-            f"retry {retries + 1} of {limit if limit is not None else 'unlimited'} "
-            f"in {delay:.3g} s",
+            f"retry {retries + 1} {f'of {limit}' if limit is not None else '(no limit)'}, "
+            f"due in {delay:.3g} s",
             execution.retry_error,
             message=outgoing.stored(),
         )

@@ -22,6 +22,7 @@ from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
+from . import _stores  # noqa: F401  (registers the lease_store remote-control command)
 from ._execution import StoreDownDuringTask
 from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
@@ -404,7 +405,7 @@ def _on_task_revoked(
         # child (same queue, in order): the expiry then ends CANCELLED, not a retry
         reason = "revoked with terminate"
     elif expired:
-        reason = "expired before it ran (expires option)"
+        reason = "expired before it ran (its expires option passed)"
     else:
         reason = "revoked before it ran"
     service.revoked(request.id, reason)
@@ -447,19 +448,19 @@ class LeasedRequest(Request):
         if self._service() is None:
             pass  # not a leased worker (the bootstep is not running): Celery decides
         elif isinstance(exc, WorkerLostError):
-            lost = f"pool child lost: {exc}"
+            lost = f"pool child lost while running the task: {exc}"
         elif isinstance(exc, TimeLimitExceeded):
             lost = f"hard time limit exceeded: {exc}"
         elif isinstance(exc, (SystemExit, KeyboardInterrupt)) and not (
             getattr(self, "_already_cancelled", False) or getattr(self, "_already_revoked", False)
         ):
-            lost = f"pool child terminated: {exc!r}"
+            lost = f"pool child terminated while running the task: {exc!r}"
         else:
             why = None
             if isinstance(exc, Terminated):
                 # revoked with terminate: Celery reports REVOKED; the cancel request was
                 # recorded first (same queue, in order), so the expiry ends CANCELLED
-                why = f"pool child terminated: {exc!r}"
+                why = f"pool child terminated while running the task: {exc!r}"
             elif isinstance(exc, (StoreError, StoreDownDuringTask)) or isinstance(
                 getattr(exc, "reason", None), StoreError
             ):
@@ -491,7 +492,9 @@ class LeasedRequest(Request):
             self.id,
             timeout,
         )
-        return self._lease_decides(f"hard time limit ({timeout} s) exceeded")
+        return self._lease_decides(
+            f"hard time limit of {timeout} s exceeded: the pool child was killed"
+        )
 
 
 __all__ = ["BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install"]
