@@ -1,6 +1,7 @@
 """Storage: the lease tables and the operations on them (SQLAlchemy Core)."""
 
 from ._base import Listener, TransitionEvent, dumps
+from ._outcomes import Outcome
 from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
 from ._reads import InvariantPage, TransitionCounts
@@ -23,6 +24,7 @@ __all__ = [
     "Lease",
     "Listener",
     "NewTask",
+    "Outcome",
     "Pause",
     "PauseEvent",
     "Publishable",

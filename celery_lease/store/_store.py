@@ -45,6 +45,7 @@ from ._bulk import BulkMixin
 from ._health import HealthMixin
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
+from ._outcomes import OutcomesMixin
 from ._pauses import PausesMixin
 from ._retention import RetentionMixin
 from ._sql import after, db_now, greatest, seconds_between
@@ -83,6 +84,7 @@ _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
 class Store(
+    OutcomesMixin,
     StepsMixin,
     WorkersMixin,
     BulkMixin,

@@ -1,0 +1,225 @@
+"""Outcomes written in batches: many executions' own outcomes in one statement.
+
+A worker's outcome writer collects the outcomes of the executions that finished in
+the last few milliseconds and writes them with :meth:`OutcomesMixin.finish_many`.
+Each row is fenced by its own attempt and token, exactly as :meth:`Store.finish`
+fences one; a row whose lease was lost is not written and is answered ``False``.
+
+On PostgreSQL the whole batch is one statement: an ``UPDATE ... FROM unnest(...)``
+(one element per outcome, arrays as bind parameters, so the statement text is the
+same for every batch size and is prepared once) with the audit rows inserted by a
+data-modifying CTE over the updated rows. On SQLite the batch is one transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Integer,
+    String,
+    Text,
+    bindparam,
+    column,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+
+from .. import states
+from ..exceptions import IllegalTransition
+from ..states import Actor, State
+from ._base import _ACTOR, StoreBase, TransitionEvent, state_is
+from ._sql import db_now
+from ._types import Lease
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One execution's own outcome, as :meth:`Store.finish` takes it."""
+
+    lease: Lease
+    to: State
+    reason: str
+    result: str | None = None
+    error: str | None = None
+
+
+#: Outcomes a batch writes (the execution's own final states).
+BATCHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
+
+
+class OutcomesMixin(StoreBase):
+    def finish_many(self, outcomes: Sequence[Outcome], *, actor: str) -> list[bool]:
+        """Write many executions' outcomes (SUCCEEDED, FAILED, CANCELLED) at once,
+        each fenced by its attempt and token; one answer per outcome, in order.
+
+        ``False``: that lease was lost; nothing was written for it. A row that left
+        RUNNING for WAIT_MANUAL while its owner kept running (over ``max_runtime``)
+        is finished from there by :meth:`Store.finish`, one by one (rare).
+
+        Raises:
+            IllegalTransition: an outcome's state is not one a batch writes.
+        """
+        if not outcomes:
+            return []
+        for o in outcomes:
+            if o.to not in BATCHED:
+                raise IllegalTransition(o.lease.task_id, State.RUNNING, o.to)
+            states.check(State.RUNNING, o.to, o.lease.task_id)
+        retried = False
+
+        def op(conn: Connection, is_retry: bool) -> set[tuple[str, int]]:
+            nonlocal retried
+            retried = retried or is_retry
+            if self.is_pg:
+                return self._finish_batch_pg(conn, outcomes, actor)
+            return self._finish_batch_sqlite(conn, outcomes, actor)
+
+        done = self._tx(op, single=self.is_pg)
+        answers: list[bool] = []
+        for o in outcomes:
+            if (o.lease.task_id, o.lease.attempt) in done:
+                answers.append(True)
+                continue
+            answers.append(self._finish_missed(o, actor, retried))
+        return answers
+
+    def _finish_missed(self, o: Outcome, actor: str, retried: bool) -> bool:
+        """An outcome the batch did not write: lost, finished from WAIT_MANUAL, or
+        (after a retried batch whose commit's answer was lost) already written."""
+        if any(s is not State.RUNNING for s in states.sources(o.to, Actor.TASK)):
+            ok = self.finish(  # type: ignore[attr-defined]
+                o.lease, o.to, actor=actor, reason=o.reason, result=o.result, error=o.error
+            )
+            if ok:
+                return bool(ok)
+        if not retried:
+            return False
+        t = self.t.tasks
+
+        def read(conn: Connection) -> bool:
+            row = conn.execute(
+                select(t.c.state, t.c.token).where(t.c.id == o.lease.task_id)
+            ).first()
+            return row is not None and row.token == o.lease.token and row.state == o.to.value
+
+        return self._read(read)
+
+    def _finish_batch_sqlite(
+        self, conn: Connection, outcomes: Sequence[Outcome], actor: str
+    ) -> set[tuple[str, int]]:
+        done: set[tuple[str, int]] = set()
+        for o in outcomes:
+            moved = self._move_prepared(
+                conn,
+                ("finish", o.to),
+                self._finish_spec,  # type: ignore[attr-defined]
+                {
+                    "b_task_id": o.lease.task_id,
+                    "b_attempt": o.lease.attempt,
+                    "b_token": o.lease.token,
+                    "b_result": o.result,
+                    "b_error": o.error,
+                },
+                State.RUNNING,
+                o.to,
+                reason=o.reason,
+                actor=actor,
+            )
+            if moved:
+                done.add((o.lease.task_id, o.lease.attempt))
+        return done
+
+    def _finish_batch_pg(
+        self, conn: Connection, outcomes: Sequence[Outcome], actor: str
+    ) -> set[tuple[str, int]]:
+        stmt = self._prepared("finish_many", self._finish_many_statement)
+        params = {
+            "b_ids": [o.lease.task_id for o in outcomes],
+            "b_attempts": [o.lease.attempt for o in outcomes],
+            "b_tokens": [o.lease.token for o in outcomes],
+            "b_tos": [o.to.value for o in outcomes],
+            "b_reasons": [o.reason for o in outcomes],
+            "b_results": [o.result for o in outcomes],
+            "b_errors": [o.error for o in outcomes],
+            "b_actor": actor,
+        }
+        done: set[tuple[str, int]] = set()
+        for row in conn.execute(stmt, params).all():
+            attempt = int(row.attempt)
+            done.add((row.id, attempt))
+            self._record_event(
+                TransitionEvent(
+                    row.id, row.name, State.RUNNING, State(row.state), row.reason, actor, attempt
+                )
+            )
+        return done
+
+    def _finish_many_statement(self) -> Any:
+        """PostgreSQL: the fenced ``RUNNING -> outcome`` of every element of the bound
+        arrays, and its audit rows, as one statement."""
+        t = self.t.tasks
+        v = (
+            func.unnest(
+                bindparam("b_ids", type_=ARRAY(String)),
+                bindparam("b_attempts", type_=ARRAY(Integer)),
+                bindparam("b_tokens", type_=ARRAY(String)),
+                bindparam("b_tos", type_=ARRAY(String)),
+                bindparam("b_reasons", type_=ARRAY(Text)),
+                bindparam("b_results", type_=ARRAY(Text)),
+                bindparam("b_errors", type_=ARRAY(Text)),
+            )
+            .table_valued(
+                column("id", String),
+                column("attempt", Integer),
+                column("token", String),
+                column("to_state", String),
+                column("reason", Text),
+                column("result", Text),
+                column("error", Text),
+            )
+            .render_derived(name="v")
+        )
+        moved = (
+            update(t)
+            .where(
+                t.c.id == v.c.id,
+                t.c.attempt == v.c.attempt,
+                t.c.token == v.c.token,
+                state_is(t, State.RUNNING),
+            )
+            .values(
+                state=v.c.to_state,
+                updated_at=db_now(),
+                reason=v.c.reason,
+                finished_at=db_now(),
+                result=v.c.result,
+                error=v.c.error,
+            )
+            .returning(t.c.id, t.c.attempt, t.c.name, t.c.state, t.c.reason)
+            .cte("moved")
+        )
+        audit = (
+            insert(self.t.transitions)
+            .from_select(
+                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+                select(
+                    moved.c.id,
+                    literal(State.RUNNING.value, String),
+                    moved.c.state,
+                    moved.c.reason,
+                    _ACTOR,
+                    moved.c.attempt,
+                    db_now(),
+                ),
+            )
+            .cte("audit")
+        )
+        return select(moved).add_cte(audit)

@@ -1,0 +1,152 @@
+"""The store's batched outcomes (``Store.finish_many``), on SQLite and PostgreSQL.
+
+A batch writes each execution's outcome fenced by its own attempt and token, with its
+audit row, in one statement (PostgreSQL) or one transaction (SQLite); a lost lease is
+answered ``False`` and left as it is, whatever else the batch holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import event
+
+from celery_lease.exceptions import IllegalTransition
+from celery_lease.states import State
+from celery_lease.store import Outcome
+
+from ..helpers import wait_until
+from .test_store_contract import recover, running, snapshot, trail
+
+S = State
+
+
+class Statements:
+    """Statements and commits the store's engine sends (SQLAlchemy events)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.statements: list[str] = []
+        self.commits = 0
+
+    def __enter__(self):
+        event.listen(self.engine, "before_cursor_execute", self._statement)
+        event.listen(self.engine, "commit", self._commit)
+        return self
+
+    def __exit__(self, *exc):
+        event.remove(self.engine, "before_cursor_execute", self._statement)
+        event.remove(self.engine, "commit", self._commit)
+
+    def _statement(self, conn, cursor, statement, *args):
+        self.statements.append(statement.lstrip().split(None, 1)[0].upper())
+
+    def _commit(self, conn):
+        self.commits += 1
+
+
+def test_a_batch_writes_every_outcome_with_its_audit_row(store):
+    ran = [running(store) for _ in range(3)]
+    outcomes = [
+        Outcome(ran[0][1], S.SUCCEEDED, "succeeded", result='{"n":1}'),
+        Outcome(ran[1][1], S.FAILED, "task raised ValueError", error="ValueError: bad"),
+        Outcome(ran[2][1], S.CANCELLED, "cancelled: asked"),
+    ]
+    assert store.finish_many(outcomes, actor="worker:w1@host") == [True, True, True]
+    for (task_id, _, _), outcome in zip(ran, outcomes, strict=True):
+        record = store.get(task_id)
+        assert record.state is outcome.to
+        assert record.reason == outcome.reason
+        assert record.finished_at is not None and record.finished_at >= record.started_at
+        last = store.history(task_id)[-1]
+        assert (last.from_state, last.to_state) == (S.RUNNING, outcome.to)
+        assert (last.reason, last.actor, last.attempt) == (
+            outcome.reason,
+            "worker:w1@host",
+            outcome.lease.attempt,
+        )
+    assert store.get(ran[0][0]).result == {"n": 1}
+    assert store.get(ran[1][0]).error == "ValueError: bad"
+
+
+def test_a_lost_lease_in_a_batch_is_skipped_and_the_others_are_written(store):
+    lost_id, stale, owner = running(store)
+    recover(store, lost_id, owner)
+    before = snapshot(store, lost_id)
+    kept_id, kept, _ = running(store)
+
+    answers = store.finish_many(
+        [
+            Outcome(stale, S.SUCCEEDED, "late", result="1"),
+            Outcome(kept, S.SUCCEEDED, "succeeded", result="2"),
+        ],
+        actor="w",
+    )
+    assert answers == [False, True]
+    assert snapshot(store, lost_id) == before
+    assert store.get(kept_id).state is S.SUCCEEDED and store.get(kept_id).result == 2
+
+
+def test_two_attempts_of_one_task_in_a_batch_write_only_the_owner(store):
+    task_id, stale, owner = running(store)
+    fresh = recover(store, task_id, owner)
+    answers = store.finish_many(
+        [Outcome(stale, S.FAILED, "old", error="x"), Outcome(fresh, S.SUCCEEDED, "new")],
+        actor="w",
+    )
+    assert answers == [False, True]
+    assert store.get(task_id).state is S.SUCCEEDED
+    assert trail(store, task_id)[-1] == (S.RUNNING, S.SUCCEEDED)
+
+
+def test_an_owner_over_max_runtime_still_finishes_from_wait_manual(store):
+    task_id, lease, _ = running(store, max_runtime=0.05)
+    wait_until(lambda: task_id in store.overrun(actor="reaper"))
+    assert store.get(task_id).state is S.WAIT_MANUAL
+    assert store.finish_many([Outcome(lease, S.SUCCEEDED, "succeeded")], actor="w") == [True]
+    assert trail(store, task_id)[-1] == (S.WAIT_MANUAL, S.SUCCEEDED)
+
+
+def test_a_state_a_batch_does_not_write_raises_and_changes_nothing(store):
+    task_id, lease, _ = running(store)
+    other_id, other, _ = running(store)
+    before = (snapshot(store, task_id), snapshot(store, other_id))
+    with pytest.raises(IllegalTransition):
+        store.finish_many(
+            [Outcome(other, S.SUCCEEDED, "ok"), Outcome(lease, S.PENDING, "nonsense")], actor="w"
+        )
+    assert (snapshot(store, task_id), snapshot(store, other_id)) == before
+    assert store.finish_many([], actor="w") == []
+
+
+def test_listeners_hear_each_transition_of_a_batch_once(store):
+    heard = []
+    store.listeners.append(lambda events: heard.append(list(events)))
+    ran = [running(store) for _ in range(4)]
+    heard.clear()
+    store.finish_many([Outcome(lease, S.SUCCEEDED, "succeeded") for _, lease, _ in ran], actor="w")
+    assert len(heard) == 1  # one commit
+    assert sorted((e.task_id, e.from_state, e.to_state, e.attempt) for e in heard[0]) == sorted(
+        (task_id, S.RUNNING, S.SUCCEEDED, lease.attempt) for task_id, lease, _ in ran
+    )
+    assert all(e.name == "tests.job" and e.actor == "w" for e in heard[0])
+
+
+def test_a_batch_is_one_statement_on_postgresql_and_one_transaction_on_sqlite(store):
+    small = [running(store) for _ in range(2)]
+    large = [running(store) for _ in range(50)]
+    seen = {}
+    for label, batch in (("small", small), ("large", large)):
+        with Statements(store.engine) as counted:
+            answers = store.finish_many(
+                [Outcome(lease, S.SUCCEEDED, "succeeded") for _, lease, _ in batch], actor="w"
+            )
+        assert all(answers)
+        seen[label] = counted
+    if store.is_pg:
+        # the same prepared statement whatever the batch size; autocommit: no COMMIT
+        assert seen["small"].statements == seen["large"].statements == ["WITH"]
+    else:
+        for counted in seen.values():
+            assert counted.commits == 1
+    for task_id, _, _ in small + large:
+        assert store.get(task_id).state is S.SUCCEEDED
