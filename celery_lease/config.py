@@ -116,6 +116,16 @@ class LeaseConfig:
     send_events: bool = True
     #: Write those transitions' states to the app's result backend, if it has one.
     result_backend_sync: bool = True
+    #: Outcomes (SUCCEEDED, CANCELLED) are written by the pool process itself, one
+    #: commit per task, instead of by the worker's outcome writer in batches.
+    outcome_write_through: bool = False
+    #: Most outcomes the writer puts in one statement.
+    outcome_batch_size: int = 100
+    #: Longest an outcome waits in the writer for others to share its statement.
+    outcome_flush_interval: float = 0.005
+    #: Outcomes the writer holds unwritten before it stops reading more (the pool's
+    #: hand-over then blocks: a slow or unreachable database holds the pool back).
+    outcome_buffer: int = 1000
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", resolve_database_url(self.database_url))
@@ -146,9 +156,16 @@ class LeaseConfig:
             "lease_args_max_bytes": self.args_max_bytes,
             "lease_pool_size": self.pool_size,
             "lease_retention_batch_size": self.retention_batch_size,
+            "lease_outcome_batch_size": self.outcome_batch_size,
+            "lease_outcome_buffer": self.outcome_buffer,
         }.items():
             if ivalue < 1:
                 raise ConfigurationError(f"{key} must be at least 1, got {ivalue!r}")
+        if not self.outcome_flush_interval >= 0:
+            raise ConfigurationError(
+                "lease_outcome_flush_interval must be zero or a positive number of seconds, "
+                f"got {self.outcome_flush_interval!r}"
+            )
         if self.max_recoveries < 0 or self.db_retries < 0:
             raise ConfigurationError("lease_max_recoveries and lease_db_retries must be >= 0")
         for key, ovalue in {
@@ -199,6 +216,10 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_retention_batch_size": ("retention_batch_size", int),
     "lease_send_events": ("send_events", bool),
     "lease_result_backend_sync": ("result_backend_sync", bool),
+    "lease_outcome_write_through": ("outcome_write_through", bool),
+    "lease_outcome_batch_size": ("outcome_batch_size", int),
+    "lease_outcome_flush_interval": ("outcome_flush_interval", float),
+    "lease_outcome_buffer": ("outcome_buffer", int),
 }
 
 SETTINGS: tuple[str, ...] = tuple(_FIELDS)

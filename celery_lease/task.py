@@ -21,11 +21,12 @@ from . import _message, _publisher
 from ._crashpoints import armed, crash_point, step_crash_point
 from ._execution import Execution, StoreDownDuringTask, encode
 from ._limits import Schedule, check_submission
+from ._outcome_writer import hand_over
 from ._runtime import install, runtime
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
 from .states import State
-from .store import NewTask, Refusal, Store, dumps
+from .store import NewTask, Outcome, Refusal, Store, dumps
 
 logger = logging.getLogger("celery_lease")
 
@@ -545,6 +546,9 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         execution.finished = True
         rt = runtime(self.app)
         assert rt.incarnation is not None
+        outcome = Outcome(execution.lease, to, reason, result, error)
+        if hand_over(self.app, self.request, rt.incarnation.flags.fenced, self.name, outcome):
+            return True  # written by the worker's outcome writer, with others
         ok = rt.store.finish(
             execution.lease,
             to,

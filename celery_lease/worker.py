@@ -24,6 +24,7 @@ from celery.worker.state import task_ready
 
 from . import _stores  # noqa: F401  (registers the lease_store remote-control command)
 from ._execution import StoreDownDuringTask
+from ._outcome_writer import OutcomeWriter, writer_config
 from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
 from .heartbeat import Heartbeat, renewal_config
@@ -126,6 +127,12 @@ class WorkerService:
         store.supersede(predecessors, inc.id)
         # set before the pool forks: children inherit the incarnation and its flags
         rt.incarnation = self.incarnation = inc
+        # before the pool forks too: the children inherit the hand-over socket
+        self.outcomes = (
+            None
+            if cfg.outcome_write_through
+            else OutcomeWriter(rt.app, store, inc.actor, **writer_config(cfg))
+        )
         self.reaper = Reaper(rt.app, actor=f"reaper:{nodename}", store=store)
         self._events: queue.Queue[tuple[str, str, str]] = queue.Queue()
         self._stopping = threading.Event()
@@ -157,6 +164,8 @@ class WorkerService:
         )
 
     def start(self) -> None:
+        if self.outcomes is not None:
+            self.outcomes.start()
         self.heartbeat.start()
         self._thread.start()
 
@@ -174,6 +183,9 @@ class WorkerService:
         inc = self.incarnation
         for kind, task_id, reason in events:
             if kind == "lost":
+                if self.outcomes is not None:
+                    # the child may have handed its outcome over just before it died
+                    self.outcomes.flush()
                 self.store.expire(
                     actor=inc.actor,
                     reason=reason,
@@ -227,7 +239,10 @@ class WorkerService:
         )
 
     def shutdown(self, reason: str) -> None:
-        """Mark the incarnation stopped; leases it still holds expire at once."""
+        """Write the buffered outcomes, then mark the incarnation stopped; leases it
+        still holds expire at once."""
+        if self.outcomes is not None:
+            self.outcomes.close()
         self._stopping.set()
         self.heartbeat.stop()
         self.heartbeat.store.dispose()

@@ -1,0 +1,323 @@
+"""The outcome writer: executions' outcomes leave the pool's critical path in batches.
+
+A pool child that finishes a task hands its outcome (SUCCEEDED or CANCELLED, fenced
+by the execution's attempt and token) to the worker's main process and goes on to its
+next task; the main process writes the outcomes that arrived together in one
+statement (:meth:`~celery_lease.store.Store.finish_many`).
+
+The hand-over is one datagram on a Unix socket pair created before the pool forks,
+so every child inherits the sending end: a datagram is queued whole or not at all
+(a child killed mid-send leaves nothing half-written, and holds no lock), and once
+``send`` returns the outcome is in the kernel's queue of the main process, which
+outlives the child. The queue is bounded (the socket's send buffer) and so is the
+writer's own buffer: when the database is slow or down the writer stops reading,
+the queue fills, and the children's hand-over blocks, holding the pool back rather
+than growing memory.
+
+What a buffered outcome costs if the whole worker dies before it is written: the
+row is still RUNNING under the dead worker's heartbeat, so its lease expires after
+the TTL (at once if the worker restarts under the same name) and the task re-runs,
+skipping every recorded step (crash-point matrix rows 7 and 20).
+
+Written before the worker gives up its heartbeat row (shutdown), and before the main
+process expires the lease of a child it saw die (the child may have handed its
+outcome over just before).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import select
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from celery import Celery
+
+from .exceptions import StoreError
+from .states import State
+from .store import Lease, Outcome, Store
+
+logger = logging.getLogger("celery_lease")
+
+#: Outcomes handed to the writer instead of being written by the pool process. FAILED
+#: stays write-through: Celery reports FAILURE (result backend, ``link_error``, a
+#: chord's error) in the child right after the outcome, and nothing may say FAILURE
+#: unless the row is FAILED, even for a worker lost with the outcome buffered.
+HANDED_OVER = frozenset({State.SUCCEEDED, State.CANCELLED})
+
+#: Send buffer of the hand-over socket: room for a few hundred outcomes, and for one
+#: outcome with a result of ``lease_result_max_bytes`` (64 KiB by default).
+_SEND_BUFFER = 1 << 20
+
+_writers: weakref.WeakKeyDictionary[Celery, OutcomeWriter] = weakref.WeakKeyDictionary()
+
+
+def writer_for(app: Celery) -> OutcomeWriter | None:
+    """The outcome writer of this app's worker (inherited by its pool children)."""
+    return _writers.get(app)
+
+
+class OutcomeWriter:
+    """The hand-over channel (both ends) and the writer thread of one worker.
+
+    Created in the worker's main process before the pool forks; the children use
+    :meth:`hand_over` only, the main process runs the thread and :meth:`flush`.
+    """
+
+    def __init__(
+        self,
+        app: Celery,
+        store: Store,
+        actor: str,
+        *,
+        batch_size: int,
+        flush_interval: float,
+        buffer: int,
+        hand_over_timeout: float,
+    ) -> None:
+        self.store = store
+        self.actor = actor
+        self.batch_size = batch_size
+        self.flush_interval = flush_interval
+        self.capacity = max(buffer, batch_size)
+        self._recv, self._send = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._send.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+        self._send.settimeout(hand_over_timeout)
+        self._recv.setblocking(False)
+        self._owner = os.getpid()
+        #: guards the buffer and reading the socket (short holds)
+        self._lock = threading.Lock()
+        #: held while a batch is written: one write at a time, in arrival order
+        self._write_lock = threading.Lock()
+        self._buffer: collections.deque[tuple[Outcome, str]] = collections.deque()
+        self._oldest = 0.0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name="celery-lease-outcomes", daemon=True
+        )
+        #: outcomes written, and outcomes rejected because the lease was lost
+        self.written = 0
+        self.rejected = 0
+        #: set by :meth:`close`: later outcomes of this process are written through
+        self.closed = False
+        self._app = app
+        _writers[app] = self
+
+    # -- the pool side -------------------------------------------------------------
+
+    def hand_over(self, outcome: Outcome, task_name: str) -> bool:
+        """Give ``outcome`` to the main process's writer; ``False`` when it could not be
+        (too large for one datagram, the writer gone or stuck past the timeout): the
+        caller then writes it itself."""
+        lease = outcome.lease
+        blob = json.dumps(
+            [
+                lease.task_id,
+                lease.attempt,
+                lease.token,
+                outcome.to.value,
+                outcome.reason,
+                outcome.result,
+                outcome.error,
+                task_name,
+            ],
+            separators=(",", ":"),
+        ).encode()
+        try:
+            self._send.send(blob)
+        except OSError as error:  # EMSGSIZE, a timeout (socket.timeout is an OSError)
+            logger.warning(
+                "task %s[%s]: outcome not handed to the writer (%s): written directly",
+                task_name,
+                lease.task_id,
+                error,
+            )
+            return False
+        return True
+
+    # -- the main process ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _drain(self) -> None:
+        """Move what the children sent into the buffer, up to its capacity (lock held)."""
+        while len(self._buffer) < self.capacity:
+            try:
+                blob = self._recv.recv(_SEND_BUFFER)
+            except (BlockingIOError, InterruptedError):
+                return
+            try:
+                task_id, attempt, token, to, reason, result, error, name = json.loads(blob)
+                lease = Lease(str(task_id), int(attempt), str(token))
+                outcome = Outcome(lease, State(to), str(reason), result, error)
+            except (ValueError, TypeError) as bad:  # never from our own children
+                logger.error("celery-lease: unreadable outcome hand-over dropped: %s", bad)
+                continue
+            if not self._buffer:
+                self._oldest = time.monotonic()
+            self._buffer.append((outcome, str(name)))
+
+    def _due(self) -> bool:
+        return bool(self._buffer) and (
+            len(self._buffer) >= self.batch_size
+            or time.monotonic() - self._oldest >= self.flush_interval
+        )
+
+    def _write_batch(self) -> int:
+        """Write up to ``batch_size`` buffered outcomes; how many were written or
+        rejected. Raises :class:`StoreError` (the batch stays buffered, in order)."""
+        with self._write_lock:
+            with self._lock:
+                self._drain()
+                batch = [self._buffer[i] for i in range(min(self.batch_size, len(self._buffer)))]
+            if not batch:
+                return 0
+            answers = self.store.finish_many([o for o, _ in batch], actor=self.actor)
+            with self._lock:
+                for _ in batch:
+                    self._buffer.popleft()
+                if self._buffer:
+                    self._oldest = time.monotonic()
+        for (outcome, name), ok in zip(batch, answers, strict=True):
+            if ok:
+                self.written += 1
+                continue
+            self.rejected += 1
+            logger.warning(
+                "task %s[%s] attempt %d: outcome %s rejected, the lease was lost (another "
+                "attempt or a person owns the task now)",
+                name,
+                outcome.lease.task_id,
+                outcome.lease.attempt,
+                outcome.to,
+            )
+        return len(batch)
+
+    def flush(self) -> None:
+        """Write everything handed over so far (the caller's thread waits).
+
+        Raises:
+            StoreError: the database did not answer; what is not written stays buffered.
+        """
+        while True:
+            with self._lock:
+                self._drain()
+                empty = not self._buffer
+            if empty:
+                return
+            self._write_batch()
+
+    def buffered(self) -> int:
+        """Outcomes read from the children and not written yet."""
+        with self._lock:
+            return len(self._buffer)
+
+    def _loop(self) -> None:
+        failing = False
+        while not self._stopping.is_set():
+            with self._lock:
+                self._drain()
+                due = self._due()
+                if self._buffer and not due:
+                    wait = max(0.0, self._oldest + self.flush_interval - time.monotonic())
+                elif not self._buffer:
+                    wait = 0.5
+                else:
+                    wait = 0.0
+                full = len(self._buffer) >= self.capacity
+            if not due:
+                # woken by a hand-over, or when the oldest buffered outcome is due; a full
+                # buffer is not read (the children's hand-over blocks: back-pressure)
+                if not full:
+                    select.select([self._recv], [], [], wait)
+                else:
+                    self._stopping.wait(wait)
+                continue
+            try:
+                self._write_batch()
+                if failing:
+                    logger.warning("celery-lease: outcome writer: the database answers again")
+                failing = False
+            except StoreError as error:
+                if not failing:
+                    logger.warning(
+                        "celery-lease: outcome writer: %s; %d outcomes kept, retrying (the "
+                        "pool is held back once %d are buffered)",
+                        error,
+                        self.buffered(),
+                        self.capacity,
+                    )
+                failing = True
+                self._stopping.wait(0.5)
+            except Exception:
+                logger.exception("celery-lease: outcome writer: unexpected error (continuing)")
+                self._stopping.wait(0.5)
+
+    def close(self) -> int:
+        """Stop the thread and write what is left; how many outcomes could not be
+        written (their leases expire, and the tasks re-run skipping recorded steps)."""
+        self.closed = True
+        if _writers.get(self._app) is self:
+            del _writers[self._app]
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        try:
+            self.flush()
+        except StoreError as error:
+            left = self.buffered()
+            logger.error(
+                "celery-lease: %d outcomes not written at shutdown (%s): those tasks re-run "
+                "after their lease expires, skipping recorded steps",
+                left,
+                error,
+            )
+            return left
+        return 0
+
+    def in_owner(self) -> bool:
+        """Whether this is the process that reads the hand-overs (not a pool child)."""
+        return os.getpid() == self._owner
+
+
+def writer_config(cfg: Any) -> dict[str, Any]:
+    """The writer's settings from a :class:`~celery_lease.config.LeaseConfig`."""
+    return {
+        "batch_size": cfg.outcome_batch_size,
+        "flush_interval": cfg.outcome_flush_interval,
+        "buffer": cfg.outcome_buffer,
+        "hand_over_timeout": cfg.db_timeout * 3,
+    }
+
+
+def hand_over(
+    app: Celery,
+    request: Any,
+    fenced: bool,
+    task_name: str,
+    outcome: Outcome,
+) -> bool:
+    """Hand a pool process's outcome to its worker's writer; ``False``: the caller
+    writes it itself (write-through).
+
+    Written through: outcomes other than SUCCEEDED and CANCELLED, every outcome with
+    ``lease_outcome_write_through``, a self-fenced worker's (its leases are being
+    expired), and a task with callbacks, a chain or a chord: Celery publishes those
+    follow-ups (or counts the chord) right after the outcome, so the row must be
+    final first, or a worker lost with the outcome buffered would run them again.
+    """
+    if outcome.to not in HANDED_OVER or fenced:
+        return False
+    writer = _writers.get(app)
+    if writer is None or writer.closed:
+        return False
+    if request.chord or request.callbacks or request.errbacks or request.chain:
+        return False
+    return writer.hand_over(outcome, task_name)
