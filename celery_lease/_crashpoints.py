@@ -13,6 +13,9 @@ Points (where they are called):
 * ``after_publish``: ``LeasedTask._publish``, the message is published, the row is not
   yet marked published.
 * ``reaper_mid_sweep``: ``Reaper.sweep``, between two full batches of one sweep.
+* ``outcome_buffered``: the worker's outcome writer (its main process) has read an
+  outcome a pool process handed over and not written it yet: the whole worker dies
+  with the outcome buffered.
 
 Points aimed at one task's steps (:func:`step_crash_point`), armed by the testing kit
 (:mod:`celery_lease.testing`) rather than named by the environment, each fires once:

@@ -39,6 +39,7 @@ from typing import Any
 
 from celery import Celery
 
+from ._crashpoints import crash_point
 from .exceptions import StoreError
 from .states import State
 from .store import Lease, Outcome, Store
@@ -163,6 +164,7 @@ class OutcomeWriter:
             if not self._buffer:
                 self._oldest = time.monotonic()
             self._buffer.append((outcome, str(name)))
+            crash_point("outcome_buffered")
 
     def _due(self) -> bool:
         return bool(self._buffer) and (
@@ -280,6 +282,9 @@ class OutcomeWriter:
                 error,
             )
             return left
+        finally:
+            self._recv.close()
+            self._send.close()
         return 0
 
     def in_owner(self) -> bool:

@@ -150,3 +150,103 @@ def test_a_batch_is_one_statement_on_postgresql_and_one_transaction_on_sqlite(st
             assert counted.commits == 1
     for task_id, _, _ in small + large:
         assert store.get(task_id).state is S.SUCCEEDED
+
+
+# -- the outcome writer: hand-over from a forked pool process, back-pressure -------------
+
+
+def make_writer(store, **overrides):
+    from celery import Celery
+
+    from celery_lease._outcome_writer import OutcomeWriter
+
+    options = {"batch_size": 100, "flush_interval": 0.0, "buffer": 1000, "hand_over_timeout": 5.0}
+    options.update(overrides)
+    app = Celery("writer-test", set_as_current=False)
+    return app, OutcomeWriter(app, store, "worker:w1@host", **options)
+
+
+def test_outcomes_handed_over_by_a_forked_child_outlive_it_and_are_written(store):
+    import multiprocessing
+
+    ran = [running(store) for _ in range(5)]
+    _app, writer = make_writer(store)
+    outcomes = [
+        Outcome(lease, S.SUCCEEDED, "succeeded", result=str(i))
+        for i, (_, lease, _) in enumerate(ran)
+    ]
+
+    def child():
+        for outcome in outcomes:
+            assert writer.hand_over(outcome, "tests.job")
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0  # the child is gone before anything was written
+    assert all(store.get(task_id).state is S.RUNNING for task_id, _, _ in ran)
+
+    writer.flush()
+    assert (writer.written, writer.rejected) == (5, 0)
+    for i, (task_id, _, _) in enumerate(ran):
+        record = store.get(task_id)
+        assert record.state is S.SUCCEEDED and record.result == i
+        assert store.history(task_id)[-1].actor == "worker:w1@host"
+    writer.close()
+
+
+def test_the_writer_thread_writes_what_arrives_and_logs_a_lost_lease(store, caplog):
+    lost_id, stale, owner = running(store)
+    recover(store, lost_id, owner)
+    kept_id, kept, _ = running(store)
+    _app, writer = make_writer(store, flush_interval=0.01)
+    writer.start()
+    assert writer.hand_over(Outcome(stale, S.SUCCEEDED, "late"), "tests.job")
+    assert writer.hand_over(Outcome(kept, S.CANCELLED, "cancelled: asked"), "tests.job")
+    wait_until(lambda: writer.written + writer.rejected == 2)
+    assert (writer.written, writer.rejected) == (1, 1)
+    assert store.get(kept_id).state is S.CANCELLED
+    assert store.get(lost_id).state is not S.SUCCEEDED
+    assert any(
+        "outcome SUCCEEDED rejected, the lease was lost" in r.getMessage()
+        or "outcome State.SUCCEEDED rejected" in r.getMessage()
+        for r in caplog.records
+    )
+    assert writer.close() == 0
+
+
+def test_a_writer_that_cannot_keep_up_holds_the_hand_over_back(store):
+    # nothing reads the socket (the writer's buffer is full, or its thread never runs):
+    # the hand-over blocks, and gives up after its timeout, rather than queue forever
+    _, lease, _ = running(store)
+    _app, writer = make_writer(store, buffer=1, batch_size=1, hand_over_timeout=0.2)
+    handed = 0
+    big = Outcome(lease, S.SUCCEEDED, "succeeded", result='"' + "x" * 60_000 + '"')
+    for _ in range(10_000):
+        if not writer.hand_over(big, "tests.job"):
+            break
+        handed += 1
+    else:
+        pytest.fail("10,000 outcomes of 60 kB were queued without the hand-over blocking")
+    assert handed > 0
+    writer.close()  # the first is written, the copies are rejected by the fence
+    assert writer.written == 1 and writer.rejected == handed - 1
+    assert store.get(lease.task_id).state is S.SUCCEEDED
+
+
+def test_hand_over_writes_through_what_it_must(store):
+    from types import SimpleNamespace
+
+    from celery_lease._outcome_writer import hand_over
+
+    _, lease, _ = running(store)
+    app, writer = make_writer(store)
+    plain = SimpleNamespace(chord=None, callbacks=None, errbacks=None, chain=None)
+    linked = SimpleNamespace(chord=None, callbacks=[{"task": "x"}], errbacks=None, chain=None)
+    ok = Outcome(lease, S.SUCCEEDED, "succeeded")
+    assert hand_over(app, plain, False, "tests.job", ok)
+    assert not hand_over(app, plain, True, "tests.job", ok)  # self-fenced
+    assert not hand_over(app, linked, False, "tests.job", ok)  # follow-ups need the row
+    assert not hand_over(app, plain, False, "tests.job", Outcome(lease, S.FAILED, "raised"))
+    writer.close()
+    assert not hand_over(app, plain, False, "tests.job", ok)  # closed: write through
