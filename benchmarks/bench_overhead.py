@@ -79,6 +79,8 @@ if os.environ.get("BENCH_COUNT_SQL"):
         name = threading.current_thread().name
         if name in ("celery-lease-heartbeat", "celery-lease-reaper"):
             return "background"
+        if name == "celery-lease-outcomes":
+            return "outcomes"  # the outcome writer: lifecycle writes, batched
         return "main"  # start-up and shutdown of the worker's main process
 
     _counter = SqlCounter(role=_role).attach()
@@ -139,6 +141,8 @@ class Variant:
     name: str
     leased: bool
     store: str | None = None
+    #: ``lease_outcome_write_through``: each pool process writes its own outcomes
+    write_through: bool = False
 
     @property
     def label(self) -> str:
@@ -148,6 +152,8 @@ class Variant:
 PLAIN = Variant("plain Celery", False)
 LEASED_PG = Variant("LeasedTask, PostgreSQL", True, "postgresql")
 LEASED_SQLITE = Variant("LeasedTask, SQLite", True, "sqlite")
+#: Outcomes as before the outcome writer: one commit per task in the pool process.
+LEASED_PG_WT = Variant("LeasedTask, PostgreSQL, write-through", True, "postgresql", True)
 
 
 @dataclasses.dataclass
@@ -188,6 +194,8 @@ class Env:
             if variant.store == "postgresql":
                 out["lease_database_url"] = with_app_name(PG_URL)
                 out["lease_schema"] = self.schema
+            if variant.write_through:
+                out["lease_outcome_write_through"] = True
         return out
 
     def project(self, variant: Variant, broker: str) -> tuple[Project, Any]:
@@ -326,7 +334,13 @@ def one_round(
 def check_succeeded(store: Any, n: int) -> None:
     from celery_lease.states import State
 
+    # the worker's outcome writer writes the last outcomes a few ms after their tasks
+    # returned (completions are timed in the pool process): wait for them
+    deadline = time.monotonic() + 30
     counts = store.counts()
+    while counts[State.SUCCEEDED] != n and time.monotonic() < deadline:
+        time.sleep(0.05)
+        counts = store.counts()
     if counts[State.SUCCEEDED] != n:
         raise AssertionError(f"expected {n} SUCCEEDED rows, found {counts}")
 
@@ -351,12 +365,18 @@ def count_lifecycle(env: Env, variant: Variant, n: int) -> dict[str, Any]:
         counter.detach(store.engine, store.engine.pool)
         client.delete(key)
         client.close()
-    # the warm-up message is part of the n lifecycles
+    # the warm-up message is part of the n lifecycles; the outcome writer's statements
+    # (worker main process) are lifecycle writes too
+    for k in list(worker):
+        if k.startswith("outcomes:"):
+            task_key = "task:" + k.split(":", 1)[1]
+            worker[task_key] = worker.get(task_key, 0.0) + worker[k]
     return {
         "producer": summarize(producer, "producer", n),
         "producer_ms": 1000 * producer_s.get("producer", 0.0) / n,
         "task": summarize(worker, "task", n),
         "task_ms": 1000 * worker.get("task:seconds", 0.0) / n,
+        "outcomes": summarize(worker, "outcomes", n),
     }
 
 
@@ -529,7 +549,8 @@ def run(ctx: Context) -> Section:
                     if ctx.quick and (broker, pool) == ("rabbitmq", "threads"):
                         continue  # the smoke run covers each code path once
                     rounds = rounds_n if broker == "redis" else ctx.scale(2, 1)
-                    groups.append(("noop", broker, pool, "noop", n_noop, rounds, main))
+                    variants = [*main, LEASED_PG_WT] if broker == "redis" else main
+                    groups.append(("noop", broker, pool, "noop", n_noop, rounds, variants))
             for broker in brokers:
                 for pool in pools:
                     if ctx.quick and (broker, pool) != ("redis", "prefork"):
@@ -550,7 +571,7 @@ def run(ctx: Context) -> Section:
             # 2. statements per lifecycle
             n_count = ctx.scale(300, 20)
             counts = {}
-            for variant in (LEASED_PG, LEASED_SQLITE):
+            for variant in (LEASED_PG, LEASED_PG_WT, LEASED_SQLITE):
                 ctx.log(f"overhead: counting statements, {variant.name}")
                 counts[variant.name] = count_lifecycle(env, variant, n_count)
             wire = {"PostgreSQL": wire_lifecycle(ctx, schema, ctx.scale(200, 5))}
