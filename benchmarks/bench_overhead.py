@@ -721,7 +721,10 @@ def report(
         "for 10 s; the store's checkout listener sends them on the raw connection, no "
         "cursor event sees them). The producer's statements include the bulk "
         "`mark_published` flushes of its background thread: a steady stream of submits "
-        "carries each earlier row's mark inside the next submit statement.",
+        "carries each earlier row's mark inside the next submit statement. The worker's "
+        "side is the pool processes' claims and the outcome writer's batches (in the "
+        "worker's main process); the write-through variant writes each outcome in its "
+        "pool process (`lease_outcome_write_through`).",
         "",
     )
     crow = []
