@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import select
 import socket
 import threading
@@ -52,9 +51,11 @@ logger = logging.getLogger("celery_lease")
 #: unless the row is FAILED, even for a worker lost with the outcome buffered.
 HANDED_OVER = frozenset({State.SUCCEEDED, State.CANCELLED})
 
-#: Send buffer of the hand-over socket: room for a few hundred outcomes, and for one
-#: outcome with a result of ``lease_result_max_bytes`` (64 KiB by default).
+#: Send buffer of the hand-over socket: room for a few hundred outcomes.
 _SEND_BUFFER = 1 << 20
+#: Largest outcome handed over (a result of the default ``lease_result_max_bytes``, 64
+#: KiB, fits); a larger one is written by the pool process itself.
+MAX_HAND_OVER = 256 * 1024
 
 _writers: weakref.WeakKeyDictionary[Celery, OutcomeWriter] = weakref.WeakKeyDictionary()
 
@@ -91,7 +92,8 @@ class OutcomeWriter:
         self._send.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
         self._send.settimeout(hand_over_timeout)
         self._recv.setblocking(False)
-        self._owner = os.getpid()
+        # read into one buffer, larger than any hand-over (never truncated)
+        self._chunk = bytearray(2 * MAX_HAND_OVER)
         #: guards the buffer and reading the socket (short holds)
         self._lock = threading.Lock()
         #: held while a batch is written: one write at a time, in arrival order
@@ -130,6 +132,8 @@ class OutcomeWriter:
             ],
             separators=(",", ":"),
         ).encode()
+        if len(blob) > MAX_HAND_OVER:
+            return False
         try:
             self._send.send(blob)
         except OSError as error:  # EMSGSIZE, a timeout (socket.timeout is an OSError)
@@ -151,9 +155,10 @@ class OutcomeWriter:
         """Move what the children sent into the buffer, up to its capacity (lock held)."""
         while len(self._buffer) < self.capacity:
             try:
-                blob = self._recv.recv(_SEND_BUFFER)
+                size = self._recv.recv_into(self._chunk)
             except (BlockingIOError, InterruptedError):
                 return
+            blob = self._chunk[:size]
             try:
                 task_id, attempt, token, to, reason, result, error, name = json.loads(blob)
                 lease = Lease(str(task_id), int(attempt), str(token))
@@ -286,10 +291,6 @@ class OutcomeWriter:
             self._recv.close()
             self._send.close()
         return 0
-
-    def in_owner(self) -> bool:
-        """Whether this is the process that reads the hand-overs (not a pool child)."""
-        return os.getpid() == self._owner
 
 
 def writer_config(cfg: Any) -> dict[str, Any]:

@@ -248,5 +248,7 @@ def test_hand_over_writes_through_what_it_must(store):
     assert not hand_over(app, plain, True, "tests.job", ok)  # self-fenced
     assert not hand_over(app, linked, False, "tests.job", ok)  # follow-ups need the row
     assert not hand_over(app, plain, False, "tests.job", Outcome(lease, S.FAILED, "raised"))
+    huge = Outcome(lease, S.SUCCEEDED, "succeeded", result='"' + "x" * 300_000 + '"')
+    assert not hand_over(app, plain, False, "tests.job", huge)  # larger than one hand-over
     writer.close()
     assert not hand_over(app, plain, False, "tests.job", ok)  # closed: write through
