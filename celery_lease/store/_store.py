@@ -40,6 +40,7 @@ from ..config import LeaseConfig
 from ..exceptions import SchemaOutOfDate
 from ..states import STEP_STARTED, Actor, State
 from . import migrations
+from ._backlog import BacklogMixin
 from ._base import StoreBase, TransitionEvent, bind, state_is
 from ._bulk import BulkMixin
 from ._health import HealthMixin
@@ -89,6 +90,7 @@ class Store(
     RetentionMixin,
     HealthMixin,
     PausesMixin,
+    BacklogMixin,
     StoreBase,
 ):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
