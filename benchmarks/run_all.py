@@ -46,6 +46,8 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("reaper", "bench_reaper"),
     ("recovery", "bench_recovery"),
     ("contention", "bench_contention"),
+    ("operations", "bench_operations"),
+    ("backlog", "bench_backlog"),
 ]
 
 
