@@ -28,6 +28,7 @@ from .exceptions import (
     StoreError,
     StoreUnavailable,
     TaskCancelled,
+    TaskFailed,
     TaskNotFound,
 )
 from .reaper import ReapReport, reap
@@ -61,6 +62,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TaskCancelled",
+    "TaskFailed",
     "TaskNotFound",
     "TaskRecord",
     "TransitionRecord",

@@ -10,6 +10,9 @@ Readable tables on a terminal (colour only there; ``-C``/``NO_COLOR`` turn it of
 3     the lease database (or the broker) is unreachable, or the schema is out of date
 4     no task with this id
 ====  ==========================================================================
+
+A command on several ids tries every id and exits with the worst code met (3, then 2,
+then 4, then 1), not the first; an unreachable store stops it at once (3).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from ._common import (
     handle_errors,
     json_option,
     lease,
+    worst,
 )
 from ._incident import with_filters
 from ._render import _print_json
@@ -32,17 +33,19 @@ def _act(
     as_json: bool,
     act: Callable[[Any, str], tuple[str, dict[str, Any]]],
 ) -> None:
-    """Apply ``act`` to each id; one line (or JSON object) per id; exit with the worst code."""
+    """Apply ``act`` to each id; one line (or JSON object) per id; exit with the worst code
+    met (:data:`SEVERITY`), not the first."""
     api = _admin(ctx)
-    worst = 0
+    code = 0
     results = []
     color = _color(ctx)
     for task_id in ids:
         try:
             message, data = act(api, task_id)
         except (IllegalTransition, TaskNotFound, ValueError) as error:
-            code = exit_code(error)
-            worst = worst or code
+            # a StoreError is not caught: the store is down for the next id too, and 3
+            # (the worst code) is what handle_errors exits with
+            code = worst(code, exit_code(error))
             results.append({"id": task_id, "ok": False, "error": str(error)})
             if not as_json:
                 click.echo(click.style(f"Error: {error}", fg="red"), err=True, color=color)
@@ -53,8 +56,8 @@ def _act(
     if as_json:
         _print_json(results)
     _flush(api)
-    if worst:
-        sys.exit(worst)
+    if code:
+        sys.exit(code)
 
 
 def _reason_option(required: bool) -> Callable[[F], F]:

@@ -27,6 +27,19 @@ NOTIFY_TIMEOUT = 5.0
 #: Exit code of ``lease check`` when it found a broken invariant.
 EXIT_VIOLATIONS = 5
 
+#: Exit codes from the mildest to the worst: a command on several ids exits with the
+#: worst one met (a refusal is often expected, e.g. retrying a task already retried; a
+#: missing id is a typo; bad input is a wrong command; an unreachable store is an outage).
+SEVERITY = (EXIT_REFUSED, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_STORE)
+
+
+def worst(*codes: int) -> int:
+    """The most severe of exit ``codes`` (0 when all are 0)."""
+    found = [c for c in codes if c]
+    if not found:
+        return 0
+    return max(found, key=lambda c: SEVERITY.index(c) if c in SEVERITY else len(SEVERITY))
+
 
 @click.group(name="lease")
 def lease() -> None:

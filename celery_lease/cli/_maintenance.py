@@ -69,15 +69,47 @@ def reap(ctx: click.Context, loop: bool, as_json: bool) -> None:
     help="Check safety invariants only (skip what a running reaper would have fixed).",
 )
 @click.option("--grace", type=float, help="Seconds allowed beyond each liveness deadline.")
+@click.option(
+    "--no-workers",
+    is_flag=True,
+    help="Do not ask the live workers (through the broker) which store they use.",
+)
+@click.option(
+    "--workers-timeout",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds to wait for the workers' answers.",
+)
 @json_option
 @click.pass_context
 @handle_errors
-def check(ctx: click.Context, no_liveness: bool, grace: float | None, as_json: bool) -> None:
-    """Scan the store for broken invariants; exit 5 if any is found."""
-    from ..check import check as run_check
-    from ..check import summarize
+def check(
+    ctx: click.Context,
+    no_liveness: bool,
+    grace: float | None,
+    no_workers: bool,
+    workers_timeout: float,
+    as_json: bool,
+) -> None:
+    """Scan the store for broken invariants, and ask the live workers whether they use
+    this store; exit 5 if anything is found."""
+    from kombu.exceptions import OperationalError as BrokerError
 
-    violations = run_check(_app(ctx), liveness=not no_liveness, grace=grace)
+    from ..check import check as run_check
+    from ..check import summarize, workers_on_other_stores
+
+    app = _app(ctx)
+    violations = run_check(app, liveness=not no_liveness, grace=grace)
+    if not no_workers:
+        try:
+            violations += workers_on_other_stores(app, timeout=workers_timeout)
+        except (BrokerError, OSError) as error:
+            click.echo(
+                f"warning: workers not asked which store they use (broker: {error})", err=True
+            )
+    if not as_json:
+        click.echo(f"store: {runtime(app).store.url}", err=True)
     if as_json:
         click.echo(
             json.dumps(

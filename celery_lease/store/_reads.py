@@ -106,6 +106,7 @@ class ReadsMixin(StoreBase):
             cancel_requested_at=m["cancel_requested_at"],
             cancel_actor=m["cancel_actor"],
             cancel_reason=m["cancel_reason"],
+            message=m["message"],
         )
 
     def get(self, task_id: str) -> TaskRecord | None:

@@ -62,6 +62,7 @@ _SUBMIT = (
     "args",
     "kwargs",
     "options",
+    "message",
     "lease_ttl",
     "max_runtime",
     "max_retries",
@@ -437,6 +438,7 @@ class Store(
                 args=new.args,
                 kwargs=new.kwargs,
                 options=new.options,
+                message=new.message,
                 lease_ttl=new.lease_ttl,
                 max_runtime=new.max_runtime,
                 max_retries=new.max_retries,
@@ -526,10 +528,37 @@ class Store(
         return where, values, ()
 
     def schedule_retry(
-        self, lease: Lease, delay: float, *, actor: str, reason: str, error: str | None
+        self,
+        lease: Lease,
+        delay: float,
+        *,
+        actor: str,
+        reason: str,
+        error: str | None,
+        message: str | None = None,
+        requeued: bool = False,
     ) -> bool:
-        """RUNNING -> RETRY_WAIT with ``next_retry_at = now + delay`` (database time), fenced."""
+        """RUNNING -> RETRY_WAIT -> PENDING, fenced, in one transaction: the retry is due
+        ``delay`` seconds from now (database time) and its message goes out at once.
+
+        ``message``: the retry's message as Celery built it (stored in the row, which is
+        its outbox: if it is never published, the reaper publishes it). ``requeued``:
+        the broker keeps the delivered message (a ``Reject(requeue=True)``), so the row
+        is recorded published. ``False``: the lease was lost; nothing was written."""
         t = self.t.tasks
+        retry_values: dict[str, Any] = {
+            "next_retry_at": after(db_now(), delay),
+            "retries": t.c.retries + 1,
+            "error": error,
+        }
+        due: dict[str, Any] = {
+            "eta": t.c.next_retry_at,
+            "next_retry_at": None,
+            "published_at": db_now() if requeued else None,
+            "publish_count": 0,
+        }
+        if message is not None:
+            due["message"] = message
 
         def op(conn: Connection, is_retry: bool) -> bool:
             rows = self._move(
@@ -539,22 +568,27 @@ class Store(
                 State.RETRY_WAIT,
                 reason=reason,
                 actor=actor,
-                values={
-                    "next_retry_at": after(db_now(), delay),
-                    "retries": t.c.retries + 1,
-                    "error": error,
-                },
+                values=retry_values,
             )
             if rows:
+                self._move(
+                    conn,
+                    [t.c.id == lease.task_id],
+                    State.RETRY_WAIT,
+                    State.PENDING,
+                    reason=f"retry {'requeued' if requeued else 'published'} by its worker",
+                    actor=actor,
+                    values=due,
+                )
                 return True
             if is_retry:
                 row = conn.execute(
                     select(t.c.state, t.c.token).where(t.c.id == lease.task_id)
                 ).first()
-                return row is not None and row.token == lease.token and row.state == "RETRY_WAIT"
+                return row is not None and row.token == lease.token and row.state == "PENDING"
             return False
 
-        return self._single_then(lambda conn, retry: op(conn, False) or None, op)
+        return self._tx(op)
 
     # -- lease expiry -----------------------------------------------------------------
 
@@ -731,6 +765,7 @@ class Store(
             t.c.options,
             t.c.retries,
             seconds_between(t.c.eta, db_now()).label("countdown"),
+            t.c.message,
         )
 
     @staticmethod
@@ -740,7 +775,14 @@ class Store(
             countdown = float(r.countdown) if r.countdown is not None and r.countdown > 0 else None
             out.append(
                 Publishable(
-                    str(r.id), r.name, r.args, r.kwargs, r.options, int(r.retries), countdown
+                    str(r.id),
+                    r.name,
+                    r.args,
+                    r.kwargs,
+                    r.options,
+                    int(r.retries),
+                    countdown,
+                    r.message,
                 )
             )
         return out

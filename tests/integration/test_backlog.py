@@ -10,6 +10,7 @@ published again after 1, 2, 4, ... seconds.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,7 @@ def test_a_backlog_stays_one_message_per_task(lease_env: LeaseEnv, broker_url: s
     assert depth == n, totals
     assert totals["republished"] == 0 and totals["held"] > 0
 
-    p.worker(concurrency=2)
+    p.worker(f"backlog-{uuid.uuid4().hex[:8]}", concurrency=2)  # a name of its own: RabbitMQ
     for task_id in ids:
         p.wait_state(task_id, State.SUCCEEDED, timeout=120)
     counters = p.store.counters()
@@ -118,7 +119,7 @@ def test_a_lost_message_is_republished_once_the_queue_is_empty(
     took = time.monotonic() - lost_at
     report("lost messages (republish_after 1 s): loss -> first re-published", took)
     # a message re-published fills the queue again: the rest wait for it to drain
-    p.worker(concurrency=2)
+    p.worker(f"backlog-{uuid.uuid4().hex[:8]}", concurrency=2)  # a name of its own: RabbitMQ
     for task_id in ids:
         p.wait_state(task_id, State.SUCCEEDED, timeout=60)
     report("lost messages: loss -> all SUCCEEDED", time.monotonic() - lost_at)
