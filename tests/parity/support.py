@@ -476,10 +476,10 @@ def check_all(
     *,
     timeout: float = 60.0,
     concurrency: int = 1,
-) -> None:
+) -> list[str]:
     """Wait (one deadline for all) until each scenario's sides show their wanted
-    outcomes, then drain the pool and check again (a repeat shows up then); raise one
-    AssertionError naming every scenario that differs, with the worker's log tail."""
+    outcomes, then drain the pool and look again (a repeat shows up then); returns a
+    line per difference, naming its scenario (see :func:`assert_parity`)."""
 
     def pending() -> list[str]:
         out = []
@@ -526,11 +526,15 @@ def check_all(
         rows = "\n".join(
             f"  {s.name}: {parity.rows(parity.sides['l'], _ids(parity, s))}" for s in scenarios
         )
-        raise AssertionError(
-            f"{len(failures)} parity failures:\n"
-            + "\n".join(failures)
-            + f"\nleased rows:\n{rows}"
-        )
+        failures.append(f"leased rows of these scenarios:\n{rows}")
+    return failures
+
+
+def assert_parity(failures: Sequence[str]) -> None:
+    """Raise one AssertionError listing every difference (the harness appends the
+    workers' log tails to the report)."""
+    problems = [f for f in failures if not f.startswith("leased rows")]
+    assert not problems, f"{len(problems)} parity failures:\n" + "\n".join(failures)
 
 
 def _ids(parity: Parity, s: Scenario) -> dict[str, list[str]]:
@@ -581,6 +585,7 @@ __all__ = [
     "Parity",
     "Scenario",
     "Side",
+    "assert_parity",
     "check_all",
     "parity_env",
     "project",

@@ -35,7 +35,16 @@ from celery import chain, chord, group
 
 from ..crash.faults import TcpProxy
 from ..crash.support import LeaseEnv
-from .support import HEADER, Parity, Scenario, Side, check_all, parity_env, project, purge
+from .support import (
+    HEADER,
+    Scenario,
+    Side,
+    assert_parity,
+    check_all,
+    parity_env,
+    project,
+    purge,
+)
 
 CONCURRENCY = 4
 
@@ -366,4 +375,6 @@ def test_features_first_run_retry_lost_and_broker_down(
         for s in fine:
             s.run(sides)
 
-        check_all(parity, [*fine, *gone, *refused], timeout=90, concurrency=CONCURRENCY)
+        assert_parity(
+            check_all(parity, [*fine, *gone, *refused], timeout=90, concurrency=CONCURRENCY)
+        )
