@@ -29,6 +29,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from celery.result import AsyncResult, GroupResult, ResultBase
+
 from celery_lease import State, TaskRecord
 from celery_lease.contrib.flower import format_task
 
@@ -227,7 +229,10 @@ class Parity:
         return out
 
     def starts(self, prefix: str, tag: str) -> list[tuple[str, dict[str, Any]]]:
-        return [(short, json.loads(e.payload or "{}")) for short, e in self.effects(prefix, tag, "start")]
+        return [
+            (short, json.loads(e.payload or "{}"))
+            for short, e in self.effects(prefix, tag, "start")
+        ]
 
     def wait_started(self, side: Side, tag: str, task: str = "gate", timeout: float = 30) -> Effect:
         """Wait until ``task`` of the scenario started (it waits at its gate), and, on
@@ -407,7 +412,7 @@ def lineage(starts: Sequence[tuple[str, dict[str, Any]]]) -> bool | None:
     head = firsts[0]["id"]
     return all(
         cur["parent"] == prev["id"] and cur["root"] == head
-        for prev, cur in zip(firsts, firsts[1:], strict=False)
+        for prev, cur in itertools.pairwise(firsts)
     )
 
 

@@ -205,5 +205,22 @@ def _define_side(app: Celery, prefix: str, base: type[Task]) -> dict[str, Any]: 
         _done(self, tag)
         return n
 
-    return {t.name: t for t in (add, tsum, collect, on_error, boom, retry_once, auto_once,
-                                soft, noresult, odd, gate, slow_first, charge, barrier)}
+    return {
+        t.name: t
+        for t in (
+            add,
+            tsum,
+            collect,
+            on_error,
+            boom,
+            retry_once,
+            auto_once,
+            soft,
+            noresult,
+            odd,
+            gate,
+            slow_first,
+            charge,
+            barrier,
+        )
+    }

@@ -44,7 +44,9 @@ BROKERS = pytest.mark.parametrize(
 )
 
 
-def recovered(tasks: dict[str, int], done: dict[str, int], result: Any, **more: Any) -> dict[str, Any]:
+def recovered(
+    tasks: dict[str, int], done: dict[str, int], result: Any, **more: Any
+) -> dict[str, Any]:
     """A leased outcome after one recovery: ``tasks`` started that often, ``done``
     finished that often, and the result backend was never given anything but
     SUCCESS."""

@@ -26,7 +26,7 @@ One worker per broker runs every scenario at once; each is checked on its own (s
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -59,7 +59,7 @@ MATRIX = pytest.mark.parametrize(
 )
 
 
-def ok(name: str, tasks: dict[str, int], result: Any, **more: Any) -> dict[str, Any]:
+def ok(tasks: dict[str, int], result: Any, **more: Any) -> dict[str, Any]:
     """The outcome of a run in which each task in ``tasks`` ran (and finished) that often."""
     return {"result": result, "starts": tasks, "done": tasks, **more}
 
@@ -80,22 +80,22 @@ def first_run(now: float) -> list[Scenario]:
         Scenario(
             "chain",
             lambda s, t: chain(s.add.s(1, 2, tag=t), s.add.s(10, tag=t), s.add.s(100, tag=t))(),
-            ok("chain", {"add": 3}, 113, state="SUCCESS", order=["add"] * 3, lineage=True),
+            ok({"add": 3}, 113, state="SUCCESS", order=["add"] * 3, lineage=True),
         ),
         Scenario(
             "group",
             lambda s, t: group(s.add.s(i, i, tag=t) for i in range(3))(),
-            ok("group", {"add": 3}, [0, 2, 4]),
+            ok({"add": 3}, [0, 2, 4]),
         ),
         Scenario(
             "chord",
             lambda s, t: chord([s.add.s(i, i, tag=t) for i in range(3)], s.tsum.s(tag=t))(),
-            ok("chord", {"add": 3, "tsum": 1}, 6, state="SUCCESS"),
+            ok({"add": 3, "tsum": 1}, 6, state="SUCCESS"),
         ),
         Scenario(
             "link",
             lambda s, t: s.add.apply_async((1, 2), {"tag": t}, link=s.collect.s(tag=t)),
-            ok("link", {"add": 1, "collect": 1}, 3, values=["3"]),
+            ok({"add": 1, "collect": 1}, 3, values=["3"]),
         ),
         Scenario(
             "link_error",
@@ -110,12 +110,12 @@ def first_run(now: float) -> list[Scenario]:
         Scenario(
             "starmap",
             lambda s, t: s.add.starmap([(1, 1, t), (2, 2, t)]).apply_async(),
-            ok("starmap", {"add": 2}, [2, 4]),
+            ok({"add": 2}, [2, 4]),
         ),
         Scenario(
             "chunks",
             lambda s, t: s.add.chunks([(i, i, t) for i in range(4)], 2).apply_async(),
-            ok("chunks", {"add": 4}, [[0, 2], [4, 6]]),
+            ok({"add": 4}, [[0, 2], [4, 6]]),
         ),
         Scenario(
             "expires",
@@ -125,35 +125,35 @@ def first_run(now: float) -> list[Scenario]:
         Scenario(
             "countdown",
             lambda s, t: s.add.apply_async((2, 2), {"tag": t}, countdown=later - time.time()),
-            ok("countdown", {"add": 1}, 4, not_before=True),
+            ok({"add": 1}, 4, not_before=True),
             not_before=later,
         ),
         Scenario(
             "eta_aware",
             lambda s, t: s.add.apply_async((2, 3), {"tag": t}, eta=aware),
-            ok("eta_aware", {"add": 1}, 5, not_before=True),
+            ok({"add": 1}, 5, not_before=True),
             not_before=later,
         ),
         Scenario(
             "eta_naive",
             lambda s, t: s.add.apply_async((2, 4), {"tag": t}, eta=aware.replace(tzinfo=None)),
-            ok("eta_naive", {"add": 1}, 6, not_before=True),
+            ok({"add": 1}, 6, not_before=True),
             not_before=later,
         ),
         Scenario(
             "soft_time_limit",
             lambda s, t: s.soft.apply_async(kwargs={"tag": t}, soft_time_limit=1, time_limit=30),
-            ok("soft_time_limit", {"soft": 1}, "soft", limits=["[30, 1]"]),
+            ok({"soft": 1}, "soft", limits=["[30, 1]"]),
         ),
         Scenario(
             "headers",
             lambda s, t: s.add.apply_async((1, 1), {"tag": t}, headers={HEADER: t}),
-            ok("headers", {"add": 1}, 2, trace=["headers"]),
+            ok({"add": 1}, 2, trace=["headers"]),
         ),
         Scenario(
             "ignore_result",
             lambda s, t: s.noresult.apply_async(kwargs={"tag": t}),
-            ok("ignore_result", {"noresult": 1}, "<PENDING>", state="PENDING", backend={"noresult": [[]]}),
+            ok({"noresult": 1}, "<PENDING>", state="PENDING", backend={"noresult": [[]]}),
         ),
         Scenario(
             "non_json_result",
@@ -166,13 +166,12 @@ def first_run(now: float) -> list[Scenario]:
         Scenario(
             "parent_root_ids",
             lambda s, t: (s.add.s(1, 1, tag=t) | s.collect.s(tag=t))(),
-            ok("parent_root_ids", {"add": 1, "collect": 1}, 2, lineage=True),
+            ok({"add": 1, "collect": 1}, 2, lineage=True),
         ),
     ]
 
 
 def retries() -> list[Scenario]:
-    all_states = {"all_states": True}
     return [
         Scenario(
             "retry_in_chain",
@@ -184,7 +183,7 @@ def retries() -> list[Scenario]:
                 "order": ["retry_once", "add"],
                 "lineage": True,
             },
-            **all_states,
+            all_states=True,
         ),
         Scenario(
             "retry_with_link",
@@ -195,19 +194,19 @@ def retries() -> list[Scenario]:
                 "done": {"retry_once": 1, "collect": 1},
                 "values": ["2"],
             },
-            **all_states,
+            all_states=True,
         ),
         Scenario(
             "retry_eta_naive",
             lambda s, t: s.retry_once.apply_async((3,), {"tag": t, "eta": "naive"}),
             {"result": 3, "starts": {"retry_once": 2}, "done": {"retry_once": 1}},
-            **all_states,
+            all_states=True,
         ),
         Scenario(
             "retry_eta_aware",
             lambda s, t: s.retry_once.apply_async((4,), {"tag": t, "eta": "aware"}),
             {"result": 4, "starts": {"retry_once": 2}, "done": {"retry_once": 1}},
-            **all_states,
+            all_states=True,
         ),
         Scenario(
             "autoretry_in_chain",
@@ -218,19 +217,17 @@ def retries() -> list[Scenario]:
                 "done": {"auto_once": 1, "add": 1},
                 "order": ["auto_once", "add"],
             },
-            **all_states,
+            all_states=True,
         ),
         Scenario(
             "retry_in_chord_header",
-            lambda s, t: chord(
-                [s.retry_once.s(1, tag=t), s.add.s(1, 1, tag=t)], s.tsum.s(tag=t)
-            )(),
+            lambda s, t: chord([s.retry_once.s(1, tag=t), s.add.s(1, 1, tag=t)], s.tsum.s(tag=t))(),
             {
                 "result": 3,
                 "starts": {"retry_once": 2, "add": 1, "tsum": 1},
                 "done": {"retry_once": 1, "add": 1, "tsum": 1},
             },
-            **all_states,
+            all_states=True,
         ),
         Scenario(
             "retry_keeps_headers_and_limits",
@@ -243,7 +240,7 @@ def retries() -> list[Scenario]:
                 "trace": ["retry_keeps_headers_and_limits"],
                 "limits": ["[60, 30]"],
             },
-            **all_states,
+            all_states=True,
         ),
     ]
 
@@ -265,7 +262,7 @@ def lost_messages(now: float) -> list[Scenario]:
         Scenario(
             "lost_chain",
             lambda s, t: chain(s.add.s(1, 2, tag=t), s.add.s(10, tag=t))(),
-            ok("lost_chain", {"add": 2}, 13, order=["add", "add"], lineage=True),
+            ok({"add": 2}, 13, order=["add", "add"], lineage=True),
             plain=lost(),
         ),
         Scenario(
@@ -273,13 +270,13 @@ def lost_messages(now: float) -> list[Scenario]:
             lambda s, t: s.add.apply_async(
                 (1, 2), {"tag": t}, link=s.collect.s(tag=t), link_error=s.on_error.s(tag=t)
             ),
-            ok("lost_link", {"add": 1, "collect": 1}, 3, values=["3"]),
+            ok({"add": 1, "collect": 1}, 3, values=["3"]),
             plain=lost(),
         ),
         Scenario(
             "lost_chord",
             lambda s, t: chord([s.add.s(1, 1, tag=t), s.add.s(2, 2, tag=t)], s.tsum.s(tag=t))(),
-            ok("lost_chord", {"add": 2, "tsum": 1}, 6),
+            ok({"add": 2, "tsum": 1}, 6),
             plain=lost(),
         ),
         Scenario(
@@ -295,13 +292,13 @@ def lost_messages(now: float) -> list[Scenario]:
             lambda s, t: s.add.apply_async(
                 (1, 1), {"tag": t}, headers={HEADER: t}, soft_time_limit=30, time_limit=60
             ),
-            ok("lost_headers_and_limits", {"add": 1}, 2, trace=["lost_headers_and_limits"], limits=["[60, 30]"]),
+            ok({"add": 1}, 2, trace=["lost_headers_and_limits"], limits=["[60, 30]"]),
             plain=lost(),
         ),
         Scenario(
             "lost_countdown",
             lambda s, t: s.add.apply_async((2, 2), {"tag": t}, countdown=later - time.time()),
-            ok("lost_countdown", {"add": 1}, 4, not_before=True),
+            ok({"add": 1}, 4, not_before=True),
             plain=lost(),
             not_before=later,
         ),
@@ -314,13 +311,13 @@ def broker_down() -> list[Scenario]:
         Scenario(
             "down_chain",
             lambda s, t: chain(s.add.s(1, 2, tag=t), s.add.s(10, tag=t))(),
-            ok("down_chain", {"add": 2}, 13, order=["add", "add"], lineage=True),
+            ok({"add": 2}, 13, order=["add", "add"], lineage=True),
             plain=refused,
         ),
         Scenario(
             "down_link",
             lambda s, t: s.add.apply_async((1, 2), {"tag": t}, link=s.collect.s(tag=t)),
-            ok("down_link", {"add": 1, "collect": 1}, 3, values=["3"]),
+            ok({"add": 1, "collect": 1}, 3, values=["3"]),
             plain=refused,
         ),
         Scenario(
@@ -328,7 +325,7 @@ def broker_down() -> list[Scenario]:
             lambda s, t: s.add.apply_async(
                 (1, 1), {"tag": t}, headers={HEADER: t}, soft_time_limit=30, time_limit=60
             ),
-            ok("down_headers_and_limits", {"add": 1}, 2, trace=["down_headers_and_limits"], limits=["[60, 30]"]),
+            ok({"add": 1}, 2, trace=["down_headers_and_limits"], limits=["[60, 30]"]),
             plain=refused,
         ),
     ]
@@ -344,7 +341,9 @@ def via(url: str, port: int) -> str:
     """``url`` with its host and port replaced by the loopback proxy's."""
     parts = urlsplit(url)
     auth = parts.netloc.rpartition("@")[0]
-    return urlunsplit(parts._replace(netloc=f"{auth}@127.0.0.1:{port}" if auth else f"127.0.0.1:{port}"))
+    return urlunsplit(
+        parts._replace(netloc=f"{auth}@127.0.0.1:{port}" if auth else f"127.0.0.1:{port}")
+    )
 
 
 @MATRIX
