@@ -5,9 +5,10 @@ N real ``celery worker`` processes (prefork and threads pools mixed) on a Postgr
 store and a Redis broker run a mixed workload (:data:`SOURCE`: idempotent steps, a
 non-idempotent step, retries, tasks failing by their own logic, long tasks with a
 progress cursor, cancellations, dedup submissions raced by several producer processes,
-and heads with follow-ups: chains of two steps, ``link=`` callbacks and chords of three
-heads with their callback; chords only when Redis is not really restarted, since the
-result backend's chord counters live in it) while a schedule drawn from one seed injects faults:
+and heads with follow-ups: a retrying head followed by a chain of two steps, ``link=``
+callbacks and chords of three heads with their callback; chords only when Redis is not
+really restarted, since the result backend's chord counters live in it) while a
+schedule drawn from one seed injects faults:
 
 - ``kill_child``: SIGKILL of the prefork pool child running a task (an idle child when
   no prefork worker runs one);
@@ -206,10 +207,11 @@ KINDS: dict[str, tuple[str, int]] = {
     "exhaust": ("soak.exhaust", 4),
     "long": ("soak.long", 15),
     "cancel": ("soak.long", 10),
-    # an idempotent head (as "idem") with follow-ups: two chain steps, a link= callback,
-    # a chord of three heads and its callback (soak.follow)
-    "chain": ("soak.idem", 6),
-    "link": ("soak.idem", 5),
+    # heads with follow-ups (soak.follow): a retrying head (as "retry") and two chain
+    # steps; an idempotent head (as "idem") and a link= callback; a chord of three
+    # idempotent heads and its callback
+    "chain": ("soak.retry", 8),
+    "link": ("soak.idem", 6),
     "chord": ("soak.idem", 5),
 }
 #: Kinds whose heads have follow-ups (see :meth:`Soak.submit_linked`).
@@ -285,8 +287,10 @@ def make_plan(opts: Options) -> Plan:
         at = rng.uniform(0.0, window)
         args: tuple[Any, ...]
         cancel_after = None
-        if kind in ("idem", *LINKED):
+        if kind in ("idem", "link", "chord"):
             args = (key, rng.randint(2, 4), round(rng.uniform(0.05, 0.4), 2))
+        elif kind == "chain":
+            args = (key, rng.randint(1, 2))
         elif kind == "nonidem":
             args = (key, round(rng.uniform(0.1, 0.6), 2))
         elif kind == "retry":
@@ -559,8 +563,8 @@ class Soak:
         a database error makes the same tasks (dedup by id), and each follow-up is
         known before it runs. Returns the (first) head's id."""
         app = self.p.module.app
-        head, follow = app.tasks["soak.idem"], app.tasks["soak.follow"]
-        key, steps, pause = planned.args
+        head, follow = app.tasks[KINDS[planned.kind][0]], app.tasks["soak.follow"]
+        key = planned.args[0]
         ids = [str(uuid.uuid4()) for _ in range(CHORD_SIZE + 2)]
         report = self.report
         if planned.kind == "chain":
@@ -590,7 +594,7 @@ class Soak:
             heads = {ids[0]: planned.args}
         else:
             members = ids[:CHORD_SIZE]
-            heads = {tid: (f"{key}h{i}", steps, pause) for i, tid in enumerate(members)}
+            heads = {tid: (f"{key}h{i}", *planned.args[1:]) for i, tid in enumerate(members)}
 
             def send() -> str:
                 header = [head.s(*args).set(task_id=tid) for tid, args in heads.items()]

@@ -44,7 +44,7 @@ ALLOWED: dict[str, frozenset[State]] = {
     # the cancel may land after the task finished
     "cancel": frozenset({State.CANCELLED, State.SUCCEEDED}),
     "dedup": frozenset({State.SUCCEEDED}),
-    # the heads of chains, link= callbacks and chords: soak.idem
+    # the heads of chains (soak.retry), link= callbacks and chords (soak.idem)
     "chain": frozenset({State.SUCCEEDED}),
     "link": frozenset({State.SUCCEEDED}),
     "chord": frozenset({State.SUCCEEDED}),
@@ -64,7 +64,7 @@ _DONE_STEPS: dict[str, Callable[[tuple[Any, ...]], list[str]]] = {
     "retry": lambda args: [f"r{i}" for i in range(int(args[1]) + 1)],
     "long": lambda args: ["finish"],
     "dedup": lambda args: ["s0"],
-    "chain": lambda args: [f"s{i}" for i in range(int(args[1]))],
+    "chain": lambda args: [f"r{i}" for i in range(int(args[1]) + 1)],
     "link": lambda args: [f"s{i}" for i in range(int(args[1]))],
     "chord": lambda args: [f"s{i}" for i in range(int(args[1]))],
 }
