@@ -234,10 +234,13 @@ class Parity:
             for short, e in self.effects(prefix, tag, "start")
         ]
 
-    def wait_started(self, side: Side, tag: str, task: str = "gate", timeout: float = 30) -> Effect:
+    def wait_started(
+        self, side: Side, tag: str, task: str = "gate", timeout: float = 30, step: str | None = None
+    ) -> Effect:
         """Wait until ``task`` of the scenario started (it waits at its gate), and, on
-        the leased side, until the store shows its row RUNNING: a kill after that
-        point hits a claimed, running task, never one still being claimed."""
+        the leased side, until the store shows its row RUNNING (and ``step`` recorded
+        as started): a kill after that point hits a claimed, running task (inside that
+        step), never one still being claimed or recording the step."""
 
         def started() -> Effect | None:
             found = [e for short, e in self.effects(side.prefix, tag, "start") if short == task]
@@ -248,6 +251,11 @@ class Parity:
                 task_id = json.loads(effect.payload or "{}")["id"]
                 record = self.p.store.get(task_id)
                 if record is None or record.state is not State.RUNNING:
+                    return None
+                if step is not None and not any(
+                    r.name == step and r.attempt == record.attempt
+                    for r in self.p.store.steps(task_id)
+                ):
                     return None
             return effect
 

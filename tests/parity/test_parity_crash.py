@@ -181,12 +181,15 @@ def tagged(scenarios: list[Scenario]) -> list[Scenario]:
     return scenarios
 
 
-def kill_children(parity: Parity, scenarios: list[Scenario], task: str = "gate") -> None:
-    """SIGKILL the pool child running each scenario's gated task, on each side."""
+def kill_children(
+    parity: Parity, scenarios: list[Scenario], task: str = "gate", step: str | None = None
+) -> None:
+    """SIGKILL the pool child running each scenario's gated task, on each side (once
+    the leased row is RUNNING, and ``step`` recorded as started)."""
     assert parity.worker is not None
     for s in scenarios:
         for prefix in s.handles:
-            effect = parity.wait_started(parity.sides[prefix], s.tag, task)
+            effect = parity.wait_started(parity.sides[prefix], s.tag, task, step=step)
             assert effect.pid in parity.worker.children(), (s.name, prefix, effect)
             os.kill(effect.pid, signal.SIGKILL)
 
@@ -246,7 +249,7 @@ def test_pool_kill_time_limit_worker_kill_and_operator_retry(
         )
         parity.gate(leased[0], manual.tag, "charge")
         manual.run(leased)
-        kill_children(parity, [manual], task="charge")
+        kill_children(parity, [manual], task="charge", step="charge")
         failures += check_all(parity, [manual], timeout=30, concurrency=CONCURRENCY)
         head = next(info["id"] for short, info in parity.starts("l", manual.tag))
         state = p.get(head).state
