@@ -47,6 +47,8 @@ from .support import (
 )
 
 CONCURRENCY = 4
+#: The lease TTL of these projects (no process is killed here).
+LONG_TTL = 10.0
 
 MATRIX = pytest.mark.parametrize(
     ("broker_url", "backend"),
@@ -355,7 +357,9 @@ def via(url: str, port: int) -> str:
 def test_features_first_run_retry_lost_and_broker_down(
     lease_env: LeaseEnv, broker_url: str, redis_url: str
 ) -> None:
-    p = project(lease_env, broker_url, redis_url)
+    # no lease may expire here (nothing in this test kills a process): a TTL far
+    # longer than a heartbeat delayed by a loaded machine
+    p = project(lease_env, broker_url, redis_url, ttl=LONG_TTL)
     with parity_env(p, redis_url) as parity:
         sides = list(parity.sides.values())
 
@@ -368,7 +372,7 @@ def test_features_first_run_retry_lost_and_broker_down(
         # broker down: a producer of the same project whose broker refuses connections
         proxy = TcpProxy(broker_address(broker_url)).start()
         proxy.cut()
-        down = project(lease_env, via(broker_url, proxy.port), redis_url)
+        down = project(lease_env, via(broker_url, proxy.port), redis_url, ttl=LONG_TTL)
         down_sides = [Side(prefix, down.module) for prefix in ("p", "l")]
         refused = tagged(broker_down())
         for s in refused:
