@@ -298,7 +298,9 @@ class Parity:
         out["done"] = dict(collections.Counter(short for short, _ in done))
         out["order"] = [short for short, _ in done]
         out["lineage"] = lineage(starts)
-        out["trace"] = sorted({str(info.get("trace")) for _, info in starts})
+        out["trace"] = sorted(
+            {str(info.get("trace")) for short, info in starts if short == scenario.traced}
+        )
         out["limits"] = sorted({str(info.get("limits")) for _, info in starts})
         out["values"] = sorted(str(info["value"]) for _, info in starts if "value" in info)
         out["not_before"] = (
@@ -453,6 +455,9 @@ class Scenario:
     not_before: float | None = None
     #: compare every state written to the backend, not only the ready ones
     all_states: bool = False
+    #: the task whose custom header is reported as ``trace`` (Celery does not pass a
+    #: task's custom headers on to its callbacks)
+    traced: str = ""
     tag: str = ""
     handles: dict[str, Any] = dataclasses.field(default_factory=dict)
 

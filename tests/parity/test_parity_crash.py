@@ -87,6 +87,7 @@ def pool_kill() -> list[Scenario]:
                 trace=["kill_link"],
                 backend={"collect": [["SUCCESS"]], "gate": [["SUCCESS"]]},
             ),
+            traced="gate",
             plain={
                 **worker_lost,
                 "starts": {"gate": 1, "on_error": 1},
@@ -170,6 +171,7 @@ def worker_kill() -> list[Scenario]:
                 values=["5"],
                 trace=["worker_kill_link"],
             ),
+            traced="gate",
             plain=gone,
         ),
     ]

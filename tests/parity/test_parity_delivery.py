@@ -156,6 +156,7 @@ def first_run(now: float) -> list[Scenario]:
             "headers",
             lambda s, t: s.add.apply_async((1, 1), {"tag": t}, headers={HEADER: t}),
             ok({"add": 1}, 2, trace=["headers"]),
+            traced="add",
         ),
         Scenario(
             "ignore_result",
@@ -248,6 +249,7 @@ def retries() -> list[Scenario]:
                 "limits": ["[60, 30]"],
             },
             all_states=True,
+            traced="retry_once",
         ),
     ]
 
@@ -300,6 +302,7 @@ def lost_messages(now: float) -> list[Scenario]:
                 (1, 1), {"tag": t}, headers={HEADER: t}, soft_time_limit=30, time_limit=60
             ),
             ok({"add": 1}, 2, trace=["lost_headers_and_limits"], limits=["[60, 30]"]),
+            traced="add",
             plain=lost(),
         ),
         Scenario(
@@ -333,6 +336,7 @@ def broker_down() -> list[Scenario]:
                 (1, 1), {"tag": t}, headers={HEADER: t}, soft_time_limit=30, time_limit=60
             ),
             ok({"add": 1}, 2, trace=["down_headers_and_limits"], limits=["[60, 30]"]),
+            traced="add",
             plain=refused,
         ),
     ]
