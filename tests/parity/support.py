@@ -201,10 +201,17 @@ class Parity:
 
     def start_worker(self, concurrency: int, name: str = "w1") -> WorkerProcess:
         """A worker sending task events (``-E``), as Flower needs; the event receiver
-        is started with the first worker."""
+        is started with the first worker. Its node name is unique: RabbitMQ's
+        remote-control queue of a node name is exclusive to one connection, and other
+        test sessions on the same broker start workers named ``w1@lease-test`` too."""
         if self.events is None:
             self.events = flower_events(self.p.module.app)
-        worker = self.p.project.worker(name, concurrency=concurrency, extra_args=["-E"])
+        worker = self.p.project.worker(
+            name,
+            concurrency=concurrency,
+            nodename=f"parity-{uuid.uuid4().hex[:8]}@lease-test",
+            extra_args=["-E"],
+        )
         self.p.workers.append(worker)
         worker.wait_ready(timeout=60, store=self.p.store)
         self.worker = worker
