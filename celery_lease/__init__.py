@@ -5,13 +5,21 @@ optional dedup key, per-step checkpoints and a heartbeat lease; a reaper moves
 tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
-from ._execution import DuplicateStep
 from ._outbox import outbox_transaction
+from ._runtime import install
+
+# through the submodule ``admin``: importing it binds ``celery_lease.admin`` to the
+# module, and the function must be bound after that, here, not by a later import
 from .admin import Admin, Stats, admin
 from .exceptions import (
+    ArgumentsTooLarge,
     CeleryLeaseError,
     ConfigurationError,
+    DuplicateStep,
     IllegalTransition,
+    InvalidSubmission,
+    InvalidSubmissionType,
+    InvalidSubmissionValue,
     LeaseError,
     LeaseLost,
     MissingDependencyError,
@@ -20,23 +28,27 @@ from .exceptions import (
     StoreError,
     StoreUnavailable,
     TaskCancelled,
+    TaskFailed,
     TaskNotFound,
 )
 from .reaper import ReapReport, reap
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import TRANSITIONS, State
 from .task import LeasedTask
-from .worker import install
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TRANSITIONS",
     "Admin",
+    "ArgumentsTooLarge",
     "CeleryLeaseError",
     "ConfigurationError",
     "DuplicateStep",
     "IllegalTransition",
+    "InvalidSubmission",
+    "InvalidSubmissionType",
+    "InvalidSubmissionValue",
     "LeaseError",
     "LeaseLost",
     "LeasedTask",
@@ -50,6 +62,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TaskCancelled",
+    "TaskFailed",
     "TaskNotFound",
     "TaskRecord",
     "TransitionRecord",

@@ -13,10 +13,25 @@ Points (where they are called):
 * ``after_publish``: ``LeasedTask._publish``, the message is published, the row is not
   yet marked published.
 * ``reaper_mid_sweep``: ``Reaper.sweep``, between two full batches of one sweep.
+
+Points aimed at one task's steps (:func:`step_crash_point`), armed by the testing kit
+(:mod:`celery_lease.testing`) rather than named by the environment, each fires once:
+
+* ``before_step``: ``Execution.step``, a step about to run (nothing of it recorded).
+* ``after_step``: ``Execution.step``, the step's function returned, its result is not
+  yet recorded.
+* ``before_outcome``: ``LeasedTask._run``, the task's function returned, its outcome is
+  not yet written.
+
+A test arms one by creating a file in the directory ``CELERY_LEASE_CRASH_DIR`` names
+(see :func:`armed_name`); the first process to reach the point renames the file (so it
+fires once, in one process) and exits. Without the variable a call costs one lookup
+in ``os.environ``: these points sit on every step's path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 #: The environment variable naming the one crash point to fire in this process.
@@ -34,3 +49,43 @@ def crash_point(name: str) -> None:
     """
     if os.environ.get(ENV) == name:
         os._exit(EXIT_STATUS)
+
+
+#: The environment variable naming the directory of armed step crash points.
+ARMED_DIR_ENV = "CELERY_LEASE_CRASH_DIR"
+
+#: The places :func:`step_crash_point` is called from.
+STEP_POINTS = ("before_step", "after_step", "before_outcome")
+
+
+def armed_name(where: str, task: str, step: str | None = None) -> str:
+    """The file name that arms ``where`` for ``task`` (and ``step``) in the armed directory.
+
+    A digest, not the names themselves: task and step names may hold any character.
+    """
+    digest = hashlib.sha256(f"{where}\x00{task}\x00{step or ''}".encode()).hexdigest()[:24]
+    return f"{where}-{digest}"
+
+
+def armed() -> bool:
+    """Whether this process may have armed step crash points (the kit started it)."""
+    return ARMED_DIR_ENV in os.environ
+
+
+def step_crash_point(where: str, task: str | None, step: str | None = None) -> None:
+    """End the process at once if a test armed ``where`` for ``task``/``step``.
+
+    Fires once: the file that armed it is renamed to ``<name>.fired`` (holding this
+    process's pid) by the one process that gets there first.
+    """
+    directory = os.environ.get(ARMED_DIR_ENV)
+    if directory is None or task is None:
+        return
+    path = os.path.join(directory, armed_name(where, task, step))
+    try:
+        os.rename(path, path + ".fired")
+    except OSError:
+        return
+    fd = os.open(path + ".fired", os.O_WRONLY | os.O_TRUNC)
+    os.write(fd, str(os.getpid()).encode())
+    os._exit(EXIT_STATUS)

@@ -43,12 +43,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, literal, or_, select
-
-from .states import State, is_legal
+from .states import RETRYABLE, STEP_DONE, STEP_STARTED, State, is_legal
 from .store import Store
-from .store._sql import after, db_now, greatest
-from .store._steps import DONE, STARTED
 
 #: Kind of violation -> what it means (the CLI prints these).
 KINDS: dict[str, str] = {
@@ -75,6 +71,9 @@ KINDS: dict[str, str] = {
     "manual_without_reason": "WAIT_MANUAL without a reason for the person who must decide",
     "orphan_audit": "audit rows of a task that has no row",
     "orphan_step": "step rows of a task that has no row",
+    "worker_on_other_store": (
+        "a live worker whose incarnation this store has never seen: it uses another store"
+    ),
 }
 
 #: Slack for comparing database times that went through SQLite's REAL column.
@@ -82,9 +81,6 @@ _EPSILON = timedelta(milliseconds=2)
 
 #: Tasks checked per round trip (bounded memory on a large store).
 _PAGE = 500
-
-#: States an operator may send back to PENDING (the transition's source).
-_OPERATOR_RETRY_SOURCES = frozenset({State.WAIT_MANUAL, State.FAILED, State.TIMEOUT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,107 +163,29 @@ def check(
 
 
 def _pages(store: Store) -> Iterator[list[str]]:
-    t = store.t.tasks
     last: str | None = None
     while True:
-        q = select(t.c.id).order_by(t.c.id).limit(_PAGE)
-        if last is not None:
-            q = q.where(t.c.id > last)
-        ids = _ids(store, q)
+        ids = store.task_ids_after(last, limit=_PAGE)
         if not ids:
             return
         yield ids
         last = ids[-1]
 
 
-def _ids(store: Store, query: Any) -> list[str]:
-    return [str(r) for r in store._read(lambda conn: conn.execute(query).scalars().all())]
+_ORPHAN_KINDS = {"transitions": "orphan_audit", "steps": "orphan_step"}
 
 
 def _orphans(store: Store) -> list[Violation]:
-    t, tr, s = store.t.tasks, store.t.transitions, store.t.steps
-
-    def op(conn: Connection) -> list[Violation]:
-        found = []
-        for kind, table in (("orphan_audit", tr), ("orphan_step", s)):
-            q = (
-                select(table.c.task_id, func.count())
-                .where(~select(t.c.id).where(t.c.id == table.c.task_id).exists())
-                .group_by(table.c.task_id)
-            )
-            for task_id, count in conn.execute(q):
-                found.append(Violation(kind, str(task_id), f"{count} rows without a task row"))
-        return found
-
-    return store._read(op)
+    return [
+        Violation(_ORPHAN_KINDS[table], task_id, f"{count} rows without a task row")
+        for table, counts in store.orphans().items()
+        for task_id, count in counts.items()
+    ]
 
 
 def _check_page(store: Store, ids: Sequence[str], slack: float, liveness: bool) -> list[Violation]:
-    t, w, tr, s = store.t.tasks, store.t.workers, store.t.transitions, store.t.steps
-    cfg = store.config
-    now = db_now()
-    dead_owner = and_(
-        t.c.state == State.RUNNING.value,
-        or_(
-            and_(w.c.id.is_(None), after(t.c.updated_at, t.c.lease_ttl + slack) < now),
-            and_(w.c.stopped_at.is_not(None), after(w.c.stopped_at, slack) < now),
-            after(w.c.heartbeat_at, t.c.lease_ttl + slack) < now,
-        ),
-    )
-    unpublished = and_(
-        t.c.state == State.PENDING.value,
-        t.c.published_at.is_(None),
-        after(t.c.updated_at, cfg.publish_grace + slack) < now,
-    )
-    # the reaper's own window (store.take_unpublished): republish_after doubled per publish
-    backoff = case(
-        (t.c.publish_count >= 7, literal(64)),
-        (t.c.publish_count <= 1, literal(1)),
-        else_=literal(1).op("<<")(t.c.publish_count - 1),
-    )
-    republish_overdue = and_(
-        t.c.state == State.PENDING.value,
-        t.c.published_at.is_not(None),
-        after(
-            greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
-            literal(cfg.republish_after) * backoff + slack,
-        )
-        < now,
-    )
-    retry_overdue = and_(t.c.state == State.RETRY_WAIT.value, after(t.c.next_retry_at, slack) < now)
-    stuck_timeout = and_(t.c.state == State.TIMEOUT.value, after(t.c.updated_at, slack) < now)
-    task_q = (
-        select(
-            t.c.id,
-            t.c.state,
-            t.c.attempt,
-            t.c.token,
-            t.c.owner,
-            t.c.reason,
-            w.c.nodename,
-            dead_owner.label("dead_owner"),
-            unpublished.label("unpublished"),
-            republish_overdue.label("republish_overdue"),
-            retry_overdue.label("retry_overdue"),
-            stuck_timeout.label("stuck_timeout"),
-        )
-        .select_from(t.outerjoin(w, w.c.id == t.c.owner))
-        .where(t.c.id.in_(ids))
-    )
-    audit_q = select(tr).where(tr.c.task_id.in_(ids)).order_by(tr.c.task_id, tr.c.id)
-    step_q = select(s).where(s.c.task_id.in_(ids)).order_by(s.c.task_id, s.c.name)
-
-    def op(conn: Connection) -> tuple[list[Any], list[Any], list[Any]]:
-        # one snapshot for the page, so that a live system does not show a row newer
-        # than the trail read a moment before (SQLite: a transaction is a snapshot)
-        if store.is_pg:
-            conn.execution_options(isolation_level="REPEATABLE READ")
-        audits = list(conn.execute(audit_q))
-        steps = list(conn.execute(step_q))
-        tasks = list(conn.execute(task_q))
-        return tasks, audits, steps
-
-    tasks, audit_rows, step_rows = store._read(op)
+    page = store.invariant_page(ids, grace=slack)
+    tasks, audit_rows, step_rows = page.tasks, page.audits, page.steps
     trails: dict[str, list[_Audit]] = defaultdict(list)
     for r in audit_rows:
         trails[str(r.task_id)].append(
@@ -413,7 +331,9 @@ def _check_steps(
             )
             continue
         start, end, end_index = window
-        written = step.finished_at if step.state == DONE and step.finished_at else step.started_at
+        written = step.started_at
+        if step.state == STEP_DONE and step.finished_at:
+            written = step.finished_at
         if written < start - _EPSILON or (end is not None and written > end + _EPSILON):
             yield Violation(
                 "step_outside_lease",
@@ -422,7 +342,7 @@ def _check_steps(
                 f"{written.isoformat()}, outside its lease {start.isoformat()} .. "
                 f"{end.isoformat() if end else 'now'}",
             )
-        if step.state == STARTED and not step.idempotent and not step.checkable:
+        if step.state == STEP_STARTED and not step.idempotent and not step.checkable:
             yield from _check_unknown_outcome(task_id, trail, step, end_index)
 
 
@@ -448,7 +368,7 @@ def _check_unknown_outcome(
         )
         return
     for row in trail[end_index + 1 :]:
-        if row.to is State.PENDING and row.frm in _OPERATOR_RETRY_SOURCES:
+        if row.to is State.PENDING and row.frm in RETRYABLE:
             return  # an operator retry (it also deletes such a step; kept here = raced)
         if (row.frm, row.to) == (State.PENDING, State.RUNNING) and row.attempt > step.attempt:
             yield Violation(
@@ -464,6 +384,31 @@ def _name(state: State | None) -> str:
     return "(new)" if state is None else state.value
 
 
+def workers_on_other_stores(app: Any, *, timeout: float = 1.0) -> list[Violation]:
+    """Ask every live worker on ``app``'s broker which store it uses (remote control,
+    answered within ``timeout``); one ``worker_on_other_store`` violation per worker
+    that runs one of ``app``'s leased tasks and whose incarnation is not in this
+    process's store.
+
+    Raises:
+        OSError, kombu.exceptions.OperationalError: the broker cannot be reached.
+    """
+    from ._stores import leased_tasks, on_other_stores, worker_stores
+
+    store = _store_of(app)
+    answers = worker_stores(app, timeout)
+    known = {w.id for w in store.workers()}
+    return [
+        Violation(
+            "worker_on_other_store",
+            None,
+            f"worker {node} (host {a.get('host')}, pid {a.get('pid')}) uses the store "
+            f"{a.get('store')}, not {store.url}",
+        )
+        for node, a in on_other_stores(answers, known, leased_tasks(app))
+    ]
+
+
 def summarize(violations: Sequence[Violation]) -> dict[str, int]:
     """Violations counted by kind (for reports)."""
     counts: dict[str, int] = defaultdict(int)
@@ -472,4 +417,4 @@ def summarize(violations: Sequence[Violation]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-__all__ = ["KINDS", "Violation", "check", "summarize"]
+__all__ = ["KINDS", "Violation", "check", "summarize", "workers_on_other_stores"]

@@ -10,16 +10,50 @@ import dataclasses
 import os
 from typing import Any
 
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
 from .exceptions import ConfigurationError
 
+#: The store when ``lease_database_url`` is not set: a SQLite file in the directory the
+#: process was started in (as Celery's own ``celerybeat-schedule``), resolved to an
+#: absolute path once, when the settings are read (see :func:`resolve_database_url`).
 DEFAULT_DATABASE_URL = "sqlite:///celery-lease.sqlite3"
+
+
+def resolve_database_url(url: str) -> str:
+    """``url`` with a relative SQLite path made absolute against the current directory.
+
+    Resolved once, when the settings are read: a process that changes directory later
+    (a daemonized worker does) keeps the file it started with, and the absolute path is
+    what the worker prints and what ``celery lease check`` compares. Other URLs, and
+    URLs that do not parse (reported when the store is created), are returned as given.
+    """
+    if not url.startswith("sqlite"):
+        return url
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return url
+    database = parsed.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return url
+    path = os.path.expanduser(database)
+    if os.path.isabs(path) and path == database:
+        return url
+    return parsed.set(database=os.path.abspath(path)).render_as_string(hide_password=False)
+
+
+#: Default ``lease_retention``: finished rows are kept a week.
+DEFAULT_RETENTION = 7 * 86400.0
 
 
 @dataclasses.dataclass(frozen=True)
 class LeaseConfig:
     """Validated settings of one Celery app (seconds are floats; fractions allowed)."""
 
-    #: SQLAlchemy URL of the store. Default: a SQLite file in the working directory.
+    #: SQLAlchemy URL of the store. Default: ``celery-lease.sqlite3`` in the directory the
+    #: process started in; a relative SQLite path is made absolute once, at read time.
     database_url: str = DEFAULT_DATABASE_URL
     #: Prefix of every table name (lets several apps share one database).
     table_prefix: str = "lease_"
@@ -50,6 +84,9 @@ class LeaseConfig:
     max_runtime: float | None = None
     #: Results larger than this (JSON bytes) are not stored; a note is stored instead.
     result_max_bytes: int = 65536
+    #: Largest arguments of a submission (args and kwargs as JSON bytes, together); a
+    #: larger submission raises ``ArgumentsTooLarge`` before anything is written.
+    args_max_bytes: int = 1048576
     #: Create or upgrade the schema automatically (always done for SQLite).
     auto_migrate: bool = False
     #: SQLAlchemy connection pool size per process.
@@ -58,6 +95,22 @@ class LeaseConfig:
     sqlite_busy_timeout: float = 30.0
     #: Backend statement retries for transient errors (connection lost) before giving up.
     db_retries: int = 3
+    #: Longest a store call may take, retries included: past it the call ends with
+    #: ``StoreUnavailable`` (PostgreSQL: also the session's statement and lock timeouts).
+    db_timeout: float = 10.0
+    #: Longest opening one PostgreSQL connection may take (libpq rounds up to >= 2 s).
+    db_connect_timeout: float = 5.0
+    #: A worker started while the database is unreachable waits and retries, with
+    #: backoff, for up to ``db_startup_timeout`` seconds before it exits.
+    db_retry_on_startup: bool = True
+    db_startup_timeout: float = 60.0
+    #: Seconds a SUCCEEDED, FAILED or CANCELLED row is kept after ``finished_at``; the
+    #: reaper then deletes it with its steps and audit rows (and so frees its dedup
+    #: key). ``None`` keeps every row. It must exceed the longest time a message can be
+    #: redelivered (a Redis ``visibility_timeout``), or a late copy would run again.
+    retention: float | None = DEFAULT_RETENTION
+    #: Rows deleted per retention batch (each batch is one short transaction).
+    retention_batch_size: int = 1000
     #: Send Celery task events (task-timeout, task-wait-manual, ...) for the transitions
     #: Celery cannot see, for Flower and ``celery events``.
     send_events: bool = True
@@ -65,6 +118,7 @@ class LeaseConfig:
     result_backend_sync: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "database_url", resolve_database_url(self.database_url))
         positive = {
             "lease_ttl": self.ttl,
             "lease_heartbeat_interval": self.heartbeat_interval,
@@ -72,6 +126,9 @@ class LeaseConfig:
             "lease_republish_after": self.republish_after,
             "lease_publish_grace": self.publish_grace,
             "lease_sqlite_busy_timeout": self.sqlite_busy_timeout,
+            "lease_db_timeout": self.db_timeout,
+            "lease_db_connect_timeout": self.db_connect_timeout,
+            "lease_db_startup_timeout": self.db_startup_timeout,
         }
         for key, value in positive.items():
             if not value > 0:
@@ -86,7 +143,9 @@ class LeaseConfig:
         for key, ivalue in {
             "lease_reaper_batch_size": self.reaper_batch_size,
             "lease_result_max_bytes": self.result_max_bytes,
+            "lease_args_max_bytes": self.args_max_bytes,
             "lease_pool_size": self.pool_size,
+            "lease_retention_batch_size": self.retention_batch_size,
         }.items():
             if ivalue < 1:
                 raise ConfigurationError(f"{key} must be at least 1, got {ivalue!r}")
@@ -95,6 +154,7 @@ class LeaseConfig:
         for key, ovalue in {
             "lease_max_age": self.max_age,
             "lease_max_runtime": self.max_runtime,
+            "lease_retention": self.retention,
         }.items():
             if ovalue is not None and not ovalue > 0:
                 raise ConfigurationError(f"{key} must be positive or None, got {ovalue!r}")
@@ -126,15 +186,25 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_max_age": ("max_age", float),
     "lease_max_runtime": ("max_runtime", float),
     "lease_result_max_bytes": ("result_max_bytes", int),
+    "lease_args_max_bytes": ("args_max_bytes", int),
     "lease_auto_migrate": ("auto_migrate", bool),
     "lease_pool_size": ("pool_size", int),
     "lease_sqlite_busy_timeout": ("sqlite_busy_timeout", float),
     "lease_db_retries": ("db_retries", int),
+    "lease_db_timeout": ("db_timeout", float),
+    "lease_db_connect_timeout": ("db_connect_timeout", float),
+    "lease_db_retry_on_startup": ("db_retry_on_startup", bool),
+    "lease_db_startup_timeout": ("db_startup_timeout", float),
+    "lease_retention": ("retention", float),
+    "lease_retention_batch_size": ("retention_batch_size", int),
     "lease_send_events": ("send_events", bool),
     "lease_result_backend_sync": ("result_backend_sync", bool),
 }
 
 SETTINGS: tuple[str, ...] = tuple(_FIELDS)
+
+#: Settings whose ``None`` is a value of its own (not "unset, use the default").
+_NONE_MEANS_OFF = frozenset({"lease_retention"})
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:
@@ -157,6 +227,14 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
         raise ConfigurationError(f"{key} must be {kind.__name__}, got {value!r}") from exc
 
 
+def _is_set(conf: Any, key: str) -> bool:
+    """Whether ``key`` is present in ``conf`` (set to ``None`` on purpose)."""
+    try:
+        return key in conf
+    except TypeError:
+        return False
+
+
 def from_mapping(conf: Any) -> LeaseConfig:
     """Build a validated :class:`LeaseConfig` from a Celery ``app.conf`` (or any mapping).
 
@@ -170,6 +248,8 @@ def from_mapping(conf: Any) -> LeaseConfig:
         except (KeyError, AttributeError):
             raw = None
         if raw is None:
+            if key in _NONE_MEANS_OFF and _is_set(conf, key):
+                values[field] = None
             continue
         values[field] = _coerce(key, raw, kind)
     if "database_url" not in values and os.environ.get("CELERY_LEASE_DATABASE_URL"):

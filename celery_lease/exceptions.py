@@ -7,10 +7,7 @@ Details are attributes, not text to parse.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .states import State
+from ._state import State
 
 
 class CeleryLeaseError(Exception):
@@ -36,6 +33,51 @@ class NotSerializable(CeleryLeaseError, TypeError):
     def __init__(self, what: str, error: Exception) -> None:
         self.what = what
         super().__init__(f"{what} cannot be stored as JSON: {error}")
+
+
+class DuplicateStep(CeleryLeaseError, ValueError):
+    """A step name was used twice in one run of a task."""
+
+    def __init__(self, task_id: str, name: str) -> None:
+        self.task_id = task_id
+        self.name = name
+        super().__init__(
+            f"step {name!r} used twice in one run of task {task_id}: "
+            "give each call a distinct name (e.g. f'send:{user_id}')"
+        )
+
+
+class InvalidSubmission(CeleryLeaseError):
+    """A submission is outside the documented limits; ``argument`` names what is wrong.
+
+    Raised by ``apply_async`` before anything is written or published, the same on every
+    store. Catch ``ValueError`` or ``TypeError`` (each subclass is one of them) or this.
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        self.argument = argument
+        super().__init__(message)
+
+
+class InvalidSubmissionValue(InvalidSubmission, ValueError):
+    """A submission argument has the right type but a value outside the limits."""
+
+
+class InvalidSubmissionType(InvalidSubmission, TypeError):
+    """A submission argument has a type celery-lease cannot store."""
+
+
+class ArgumentsTooLarge(InvalidSubmissionValue):
+    """The task's arguments, as JSON, exceed ``lease_args_max_bytes``."""
+
+    def __init__(self, argument: str, size: int, limit: int, task_name: str) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            argument,
+            f"{argument} of task {task_name}: {size} bytes as JSON, over lease_args_max_bytes "
+            f"({limit}); pass an id or a URL of the data instead of the data itself",
+        )
 
 
 class StoreError(CeleryLeaseError):
@@ -101,6 +143,22 @@ class TaskNotFound(LeaseError):
 
     def __init__(self, task_id: str) -> None:
         super().__init__(task_id, None, f"no leased task with id {task_id!r}")
+
+
+class TaskFailed(CeleryLeaseError):
+    """What the result backend holds for a task whose row ended FAILED without its own
+    exception (an operator's ``fail``): ``AsyncResult.get()`` raises it."""
+
+    def __init__(self, task_id: str, reason: str | None = None, actor: str | None = None) -> None:
+        self.task_id = task_id
+        self.reason = reason
+        self.actor = actor
+        # the arguments, not the text: a result backend rebuilds it as TaskFailed(*args)
+        super().__init__(task_id, reason, actor)
+
+    def __str__(self) -> str:
+        by = f" by {self.actor}" if self.actor else ""
+        return f"task {self.task_id} failed{by}" + (f": {self.reason}" if self.reason else "")
 
 
 class TaskCancelled(CeleryLeaseError):

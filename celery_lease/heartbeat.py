@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 
-from ._runtime import Incarnation
+from ._incarnation import Incarnation
+from .config import LeaseConfig
 from .exceptions import StoreError
 from .store import Store
 
 logger = logging.getLogger("celery_lease.heartbeat")
+
+
+def renewal_config(config: LeaseConfig, ttl: float) -> LeaseConfig:
+    """Settings of the heartbeat's own store: a renewal gives up within half the TTL.
+
+    The heartbeat renews through an engine of its own (one connection, a tighter
+    bound): it never waits behind the reaper or the outcome writer for a pooled
+    connection, and a database that stops answering costs it at most
+    ``min(lease_db_timeout, ttl / 2)`` per renewal (a new connection's handshake at
+    least libpq's 2 s), so it reports the outage and tries again well within the TTL.
+    """
+    bound = min(config.db_timeout, ttl / 2)
+    return dataclasses.replace(
+        config,
+        db_timeout=bound,
+        db_connect_timeout=min(config.db_connect_timeout, bound),
+        sqlite_busy_timeout=min(config.sqlite_busy_timeout, bound),
+        pool_size=1,
+    )
 
 
 class Heartbeat(threading.Thread):
@@ -64,12 +85,65 @@ class Heartbeat(threading.Thread):
                 self.ttl,
             )
             inc.flags.fenced = True
-        sent = time.monotonic()  # the row's heartbeat is no earlier than this
+        # the deadline a renewal gives must leave time for the next one to land
+        margin = min(self.interval, self.ttl / 2)
+        for _ in range(3):
+            sent = time.monotonic()  # the row's heartbeat is no earlier than this
+            if not self._renew():
+                return False
+            took = time.monotonic() - sent
+            if took < self.ttl - margin:
+                break
+            # the renewal hung (a lock, a stalled connection): the row was renewed at
+            # some moment of it, so only ``sent`` is certain, and ``sent + ttl`` is past
+            # or about to pass. Lifting a fence on it (or keeping a deadline on it)
+            # would fence the worker again at the next beat: renew again now instead.
+            logger.warning(
+                "worker %s: heartbeat renewal took %.1f s (TTL %.1f s); renewing again",
+                inc.nodename,
+                took,
+                self.ttl,
+            )
+            if took >= self.ttl:
+                inc.flags.fenced = True  # others may have seen the row expired meanwhile
+        else:
+            return False
+        lapsed = sent - self._last_ok  # from the last renewal known good to this one
+        self._last_ok = sent
+        self.renewals += 1
+        if inc.flags.fenced:
+            # past the deadline without a word from this thread (a renewal stuck in a
+            # connect timeout): the leases are lost all the same
+            inc.flags.fenced = True
+            try:
+                self.on_recovered(
+                    f"worker {inc.nodename} self-fenced: heartbeat lapsed for {lapsed:.1f} s "
+                    f"(TTL {self.ttl:g} s)"
+                )
+            except StoreError as error:
+                logger.warning(
+                    "worker %s: could not expire fenced leases yet: %s", inc.nodename, error
+                )
+                return True
+            inc.flags.deadline = self._last_ok + self.ttl
+            inc.flags.fenced = False
+            logger.warning(
+                "worker %s: heartbeat restored; fenced leases expired (lapsed for %.1f s)",
+                inc.nodename,
+                lapsed,
+            )
+            return True
+        inc.flags.deadline = self._last_ok + self.ttl
+        return True
+
+    def _renew(self) -> bool:
+        """One renewal statement; ``False`` if the database did not record it."""
+        inc = self.incarnation
         try:
             renewed = self.store.renew(inc.id)
             if not renewed:
-                # someone marked this incarnation stopped (a restart under the same node
-                # name elsewhere, or an operator): its leases were expired; fence what
+                # someone marked this incarnation stopped (an operator, or a worker that
+                # took it for a dead predecessor): its leases were expired; fence what
                 # still runs here and carry on heartbeating for new work
                 logger.error(
                     "worker %s: incarnation %s was marked stopped by someone else "
@@ -82,26 +156,6 @@ class Heartbeat(threading.Thread):
         except StoreError as error:
             logger.warning("worker %s: heartbeat failed: %s", inc.nodename, error)
             return False
-        self._last_ok = sent
-        self.renewals += 1
-        if inc.flags.fenced:
-            # past the deadline without a word from this thread (a renewal stuck in a
-            # connect timeout): the leases are lost all the same
-            inc.flags.fenced = True
-            try:
-                self.on_recovered(
-                    f"worker {inc.nodename} self-fenced: heartbeat lapsed for {gap:.1f} s"
-                )
-            except StoreError as error:
-                logger.warning(
-                    "worker %s: could not expire fenced leases yet: %s", inc.nodename, error
-                )
-                return True
-            inc.flags.deadline = self._last_ok + self.ttl
-            inc.flags.fenced = False
-            logger.warning("worker %s: heartbeat restored; fenced leases expired", inc.nodename)
-            return True
-        inc.flags.deadline = self._last_ok + self.ttl
         return True
 
     def run(self) -> None:

@@ -16,7 +16,26 @@ to_state}``
 {worker,hostname}``                                        stopped) incarnation's heartbeat
 ``celery_lease_worker_alive{worker}``           gauge      1 while its heartbeat is within TTL
 ``celery_lease_worker_running_tasks{worker}``   gauge      RUNNING tasks it owns
+``celery_lease_purged_total``                   counter    finished rows deleted by retention
+``celery_lease_republished_total``              counter    messages re-published by the reaper
+``celery_lease_duplicates_dropped_total``       counter    duplicate deliveries dropped at claim
+``celery_lease_task_runtime_seconds{task,       gauge      run-time percentiles over the
+quantile}``                                                window (SUCCEEDED and FAILED runs)
+``celery_lease_task_max_runtime_seconds{task}`` gauge      the task's ``max_runtime``
+``celery_lease_task_lease_ttl_seconds{task}``   gauge      the task's ``lease_ttl``
+``celery_lease_task_finished{task,state}``      gauge      tasks finished within the window
+``celery_lease_task_failure_ratio{task}``       gauge      FAILED / finished within the window
+``celery_lease_task_cancel_ratio{task}``        gauge      CANCELLED / finished within it
+``celery_lease_task_pending{task}``             gauge      PENDING tasks (the backlog)
+``celery_lease_task_oldest_pending_age_seconds  gauge      age of its oldest PENDING task
+{task}``
+``celery_lease_counts_estimated``               gauge      1 if a finished state's count is
+                                                           PostgreSQL's estimate
 ==============================================  =========  ==================================
+
+The window of the per-task figures is ``window`` seconds (default 300; ``lease metrics
+--window``). Counts of SUCCEEDED, FAILED and CANCELLED rows beyond 100,000 each are
+PostgreSQL's planner estimates, so a scrape stays cheap however large the table is.
 
 The counters are read from the audit table incrementally: rows older than a settle
 time are folded into an in-memory total once, so ``lease purge`` deleting old audit
@@ -34,13 +53,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import Connection, func, select
 
 from ._runtime import runtime
 from .exceptions import CeleryLeaseError, MissingDependencyError
+from .health import TaskHealth, state_counts, task_health
 from .states import State
 from .store import Store
-from .store._sql import after, db_now
 
 logger = logging.getLogger("celery_lease.metrics")
 
@@ -49,6 +67,77 @@ logger = logging.getLogger("celery_lease.metrics")
 SETTLE = 60.0
 
 _Pair = tuple[str, str]
+
+#: Counters kept in the ``counters`` table (they count events that leave no row).
+_COUNTERS = {
+    "purged": "Finished rows deleted by retention (lease_retention)",
+    "republished": "Messages the reaper published again (lost, or never marked published)",
+    "duplicates_dropped": "Deliveries dropped at claim without running (duplicates, stale)",
+}
+
+#: Seconds of history the per-task figures cover by default.
+WINDOW = 300.0
+
+
+def _task_families(core: Any, health: list[TaskHealth]) -> Iterator[Any]:
+    runtime_ = core.GaugeMetricFamily(
+        "celery_lease_task_runtime_seconds",
+        "Run-time percentiles of SUCCEEDED and FAILED runs within the window",
+        labels=["task", "quantile"],
+    )
+    max_runtime = core.GaugeMetricFamily(
+        "celery_lease_task_max_runtime_seconds",
+        "max_runtime of the task's most recent run (absent: no limit)",
+        labels=["task"],
+    )
+    ttl = core.GaugeMetricFamily(
+        "celery_lease_task_lease_ttl_seconds",
+        "lease_ttl of the task's most recent run",
+        labels=["task"],
+    )
+    finished = core.GaugeMetricFamily(
+        "celery_lease_task_finished",
+        "Tasks that finished within the window, by final state",
+        labels=["task", "state"],
+    )
+    failure = core.GaugeMetricFamily(
+        "celery_lease_task_failure_ratio",
+        "FAILED / finished within the window",
+        labels=["task"],
+    )
+    cancel = core.GaugeMetricFamily(
+        "celery_lease_task_cancel_ratio",
+        "CANCELLED / finished within the window",
+        labels=["task"],
+    )
+    pending = core.GaugeMetricFamily(
+        "celery_lease_task_pending", "PENDING tasks (the backlog)", labels=["task"]
+    )
+    oldest = core.GaugeMetricFamily(
+        "celery_lease_task_oldest_pending_age_seconds",
+        "Seconds since the task's oldest PENDING row was submitted",
+        labels=["task"],
+    )
+    for h in health:
+        for q, v in (("0.5", h.run_p50), ("0.95", h.run_p95), ("0.99", h.run_p99)):
+            if v is not None:
+                runtime_.add_metric([h.name, q], v)
+        if h.max_runtime is not None:
+            max_runtime.add_metric([h.name], h.max_runtime)
+        if h.lease_ttl is not None:
+            ttl.add_metric([h.name], h.lease_ttl)
+        if h.finished:
+            for state, n in (
+                (State.SUCCEEDED, h.succeeded),
+                (State.FAILED, h.failed),
+                (State.CANCELLED, h.cancelled),
+            ):
+                finished.add_metric([h.name, state.value], n)
+            failure.add_metric([h.name], h.failure_rate or 0.0)
+            cancel.add_metric([h.name], h.cancel_rate or 0.0)
+        pending.add_metric([h.name], h.pending)
+        oldest.add_metric([h.name], h.oldest_pending_age or 0.0)
+    yield from (runtime_, max_runtime, ttl, finished, failure, cancel, pending, oldest)
 
 
 def _prometheus() -> Any:
@@ -70,49 +159,32 @@ class TransitionTotals:
 
     def read(self, store: Store) -> dict[_Pair, int]:
         """Totals by (from_state, to_state); a row's creation counts as from ``"none"``."""
-        tr = store.t.transitions
         with self._lock:
-            base_id = self._base_id
-
-            def query(conn: Connection) -> tuple[int, list[Any], list[Any]]:
-                first_fresh = conn.execute(
-                    select(func.min(tr.c.id)).where(
-                        tr.c.id > base_id, tr.c.at >= after(db_now(), -self.settle)
-                    )
-                ).scalar()
-                if first_fresh is not None:
-                    upto = int(first_fresh) - 1
-                else:
-                    upto = int(conn.execute(select(func.max(tr.c.id))).scalar() or base_id)
-                pairs = (tr.c.from_state, tr.c.to_state)
-                folded = conn.execute(
-                    select(*pairs, func.count())
-                    .where(tr.c.id > base_id, tr.c.id <= upto)
-                    .group_by(*pairs)
-                ).all()
-                fresh = conn.execute(
-                    select(*pairs, func.count()).where(tr.c.id > upto).group_by(*pairs)
-                ).all()
-                return max(upto, base_id), list(folded), list(fresh)
-
-            upto, folded, fresh = store._read(query)
-            for frm, to, n in folded:
-                self._base[(frm or "none", to)] += int(n)
-            self._base_id = upto
+            counts = store.transition_counts(self._base_id, settle=self.settle)
+            for frm, to, n in counts.settled:
+                self._base[(frm or "none", to)] += n
+            self._base_id = counts.upto
             totals = collections.Counter(self._base)
-        for frm, to, n in fresh:
-            totals[(frm or "none", to)] += int(n)
+        for frm, to, n in counts.fresh:
+            totals[(frm or "none", to)] += n
         return dict(totals)
 
 
 class LeaseCollector:
     """A ``prometheus_client`` collector reading the lease tables of ``app`` at each scrape."""
 
-    def __init__(self, app: Celery, store: Store | None = None, settle: float = SETTLE) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        store: Store | None = None,
+        settle: float = SETTLE,
+        window: float = WINDOW,
+    ) -> None:
         self.prom = _prometheus()
         self.app = app
         self._store = store
         self.totals = TransitionTotals(settle)
+        self.window = window
 
     @property
     def store(self) -> Store:
@@ -146,13 +218,20 @@ class LeaseCollector:
 
     def _families(self, core: Any) -> Iterator[Any]:
         store = self.store
-        counts = store.counts()
+        counts, estimated = state_counts(store)
         tasks = core.GaugeMetricFamily(
             "celery_lease_tasks", "Leased tasks per state", labels=["state"]
         )
         for state in State:
             tasks.add_metric([state.value], counts.get(state, 0))
         yield tasks
+        guess = core.GaugeMetricFamily(
+            "celery_lease_counts_estimated",
+            "1 if a finished state's count in celery_lease_tasks is PostgreSQL's estimate",
+        )
+        guess.add_metric([], 1 if estimated else 0)
+        yield guess
+        yield from _task_families(core, task_health(store, self.window))
 
         expired = core.GaugeMetricFamily(
             "celery_lease_expired_unreaped",
@@ -183,6 +262,12 @@ class LeaseCollector:
         recoveries.add_metric([], totals.get((State.RUNNING.value, State.TIMEOUT.value), 0))
         yield recoveries
 
+        counts_total = store.counters()
+        for name, help_text in _COUNTERS.items():
+            family = core.CounterMetricFamily(f"celery_lease_{name}", help_text)
+            family.add_metric([], counts_total.get(name, 0))
+            yield family
+
         now = store.now()
         age = core.GaugeMetricFamily(
             "celery_lease_worker_heartbeat_age_seconds",
@@ -212,11 +297,13 @@ class LeaseCollector:
         yield running
 
 
-def registry(app: Celery, store: Store | None = None, settle: float = SETTLE) -> Any:
+def registry(
+    app: Celery, store: Store | None = None, settle: float = SETTLE, window: float = WINDOW
+) -> Any:
     """A ``prometheus_client.CollectorRegistry`` holding only the lease collector."""
     prom = _prometheus()
     reg = prom.CollectorRegistry(auto_describe=False)
-    reg.register(LeaseCollector(app, store, settle))
+    reg.register(LeaseCollector(app, store, settle, window))
     return reg
 
 
@@ -226,13 +313,14 @@ def serve(
     addr: str = "0.0.0.0",
     store: Store | None = None,
     settle: float = SETTLE,
+    window: float = WINDOW,
 ) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from a background thread; returns the server
     (``server.shutdown()`` stops it; ``server.server_address`` says where it listens)."""
     prom = _prometheus()
-    reg = registry(app, store, settle)
+    reg = registry(app, store, settle, window)
     server, _thread = prom.start_http_server(port, addr=addr, registry=reg)
     return server
 
 
-__all__ = ["SETTLE", "LeaseCollector", "TransitionTotals", "registry", "serve"]
+__all__ = ["SETTLE", "WINDOW", "LeaseCollector", "TransitionTotals", "registry", "serve"]

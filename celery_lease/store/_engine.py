@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import threading
@@ -18,6 +19,8 @@ from sqlalchemy.engine import URL, make_url
 
 from ..config import LeaseConfig
 from ..exceptions import ConfigurationError, MissingDependencyError, StoreError, StoreUnavailable
+from ._deadline import WATCHDOG
+from ._redact import redact, safe_url
 
 T = TypeVar("T")
 
@@ -34,11 +37,6 @@ _TRANSIENT_PG_CODES = {
 }
 
 
-def safe_url(url: URL | str) -> str:
-    """The URL with its password hidden, for messages and logs."""
-    return make_url(url).render_as_string(hide_password=True)
-
-
 def _normalize(url: URL) -> URL:
     if url.drivername in ("postgresql", "postgres"):
         url = url.set(drivername="postgresql+psycopg")
@@ -49,8 +47,11 @@ def create(config: LeaseConfig) -> Engine:
     """An engine for ``config.database_url`` set up for short, contended transactions."""
     try:
         url = _normalize(make_url(config.database_url))
-    except exc.ArgumentError as error:
-        raise ConfigurationError(f"lease_database_url is not a valid URL: {error}") from error
+    except (exc.ArgumentError, ValueError) as error:  # ValueError: a port that is no number
+        # the parse error quotes the whole URL, secrets included: mask them, and leave the
+        # original out of the traceback
+        message = redact(str(error), config.database_url)
+        raise ConfigurationError(f"lease_database_url is not a valid URL: {message}") from None
     backend = url.get_backend_name()
     if backend == "sqlite":
         engine = _sqlite(url, config)
@@ -66,13 +67,17 @@ def create(config: LeaseConfig) -> Engine:
                 pool_size=config.pool_size,
                 max_overflow=config.pool_size,
                 pool_recycle=1800,
+                # waiting for a free connection counts against the call's bound too
+                pool_timeout=config.db_timeout,
                 # the most recently used connection first: a process in steady use keeps
                 # reusing warm connections and the others idle out (pinged if used again)
                 pool_use_lifo=True,
-                connect_args={"connect_timeout": 5},
+                connect_args=_libpq_timeouts(config),
             )
         except ImportError as error:
             raise MissingDependencyError(url.get_driver_name(), "postgres") from error
+        # first: the session settings and the idle ping below run under the deadline
+        _watch_connections(engine)
         _bound_stalled_transactions(engine, config)
         _ping_when_idle(engine)
     else:
@@ -83,20 +88,77 @@ def create(config: LeaseConfig) -> Engine:
     return engine
 
 
-def _bound_stalled_transactions(engine: Engine, config: LeaseConfig) -> None:
-    """Let PostgreSQL end a session that stays idle inside a transaction for a whole TTL.
+#: libpq's smallest ``connect_timeout`` (psycopg raises smaller values to it).
+MIN_CONNECT_TIMEOUT = 2
 
-    The store's transactions are a few statements issued back to back; one left open
-    means its process was frozen (SIGSTOP, a paused VM) or hung between two statements.
-    The row locks it holds (the reaper lock's row, a task row) would otherwise block
-    every other worker's reaper for as long as the freeze lasts.
+
+def _libpq_timeouts(config: LeaseConfig) -> dict[str, Any]:
+    """Connection parameters that keep a lost server from holding a call for long.
+
+    ``connect_timeout`` bounds opening a connection (the engine lowers it per connection
+    to what remains of the call's deadline); keepalives find a dead peer under an idle
+    pooled connection, and ``tcp_user_timeout`` one that stopped acknowledging what we
+    sent. A server that accepts and never answers is left to the deadline watchdog.
     """
-    timeout_ms = max(1000, int(config.ttl * 1000))
+    return {
+        "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(config.db_connect_timeout)),
+        "keepalives": 1,
+        "keepalives_idle": max(1, int(config.db_timeout)),
+        "keepalives_interval": max(1, int(config.db_timeout / 3)),
+        "keepalives_count": 3,
+        "tcp_user_timeout": int(config.db_timeout * 1000),
+    }
+
+
+def _watch_connections(engine: Engine) -> None:
+    """Put every connection a store call uses under its deadline (see :mod:`._deadline`)."""
+
+    @event.listens_for(engine, "do_connect")
+    def _on_do_connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+        remaining = WATCHDOG.remaining()
+        if remaining is not None:
+            # a handshake started late in the call must not outlive its deadline
+            wanted = max(MIN_CONNECT_TIMEOUT, math.ceil(remaining))
+            cparams["connect_timeout"] = min(int(cparams["connect_timeout"]), wanted)
+
+    @event.listens_for(engine.pool, "connect")
+    def _on_connect(dbapi_conn: Any, record: Any) -> None:
+        WATCHDOG.watch(dbapi_conn)
+
+    @event.listens_for(engine.pool, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        WATCHDOG.watch(dbapi_conn)
+
+    @event.listens_for(engine.pool, "checkin")
+    def _on_checkin(dbapi_conn: Any, record: Any) -> None:
+        if dbapi_conn is not None:
+            WATCHDOG.unwatch(dbapi_conn)
+
+
+def _bound_stalled_transactions(engine: Engine, config: LeaseConfig) -> None:
+    """Session settings that let PostgreSQL itself end what runs too long.
+
+    ``statement_timeout`` and ``lock_timeout`` end a statement that runs or waits for
+    a lock longer than ``lease_db_timeout`` (the call would be abandoned by then
+    anyway). ``idle_in_transaction_session_timeout`` ends a session that stays idle
+    inside a transaction for a whole TTL: the store's transactions are a few
+    statements issued back to back, so one left open means its process was frozen
+    (SIGSTOP, a paused VM) or hung between two statements, and the row locks it holds
+    (the reaper lock's row, a task row) would otherwise block every other worker's
+    reaper for as long as the freeze lasts. One round trip, once per connection.
+    """
+    idle_ms = max(1000, int(config.ttl * 1000))
+    statement_ms = max(1, int(config.db_timeout * 1000))
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, record: Any) -> None:
         with dbapi_conn.cursor() as cur:
-            cur.execute(f"SET idle_in_transaction_session_timeout = {timeout_ms}")
+            cur.execute(
+                "SELECT set_config('statement_timeout', %(s)s, false),"
+                " set_config('lock_timeout', %(s)s, false),"
+                " set_config('idle_in_transaction_session_timeout', %(i)s, false)",
+                {"s": str(statement_ms), "i": str(idle_ms)},
+            )
         dbapi_conn.commit()
 
 
@@ -150,6 +212,7 @@ def _sqlite(url: URL, config: LeaseConfig) -> Engine:
         connect_args={"timeout": config.sqlite_busy_timeout, "check_same_thread": False},
         pool_size=config.pool_size,
         max_overflow=config.pool_size,
+        pool_timeout=config.db_timeout,
     )
     busy_ms = int(config.sqlite_busy_timeout * 1000)
 
@@ -220,25 +283,50 @@ def is_transient(error: exc.DBAPIError) -> bool:
     return isinstance(error, (exc.OperationalError, exc.InterfaceError))
 
 
-def wrap(error: exc.SQLAlchemyError, url: str) -> StoreError:
-    """The library's exception for a driver error (the cause is kept by ``raise ... from``)."""
+def wrap(error: exc.SQLAlchemyError, url: str, *, timeout: float | None = None) -> StoreError:
+    """The library's exception for a driver error (the cause is kept by ``raise ... from``).
+
+    ``timeout``: the call ran out of its ``lease_db_timeout`` (said in the message).
+    """
     detail = str(getattr(error, "orig", None) or error).strip().splitlines()
-    first = detail[0] if detail else type(error).__name__
+    first = redact(detail[0]) if detail else type(error).__name__
+    if timeout is not None:
+        return StoreUnavailable(
+            f"lease store {url} unavailable: no answer within {timeout:g} s "
+            f"(lease_db_timeout): {first}"
+        )
     if isinstance(error, exc.DBAPIError) and is_transient(error):
+        return StoreUnavailable(f"lease store {url} unavailable: {first}")
+    if isinstance(error, exc.TimeoutError):  # no free connection in the pool in time
         return StoreUnavailable(f"lease store {url} unavailable: {first}")
     return StoreError(f"lease store {url}: {first}")
 
 
-def retrying(fn: Callable[[bool], T], *, retries: int, url: str) -> T:
-    """Run ``fn(is_retry)``, retrying transient driver errors with jittered exponential backoff."""
-    for attempt in range(retries + 1):
-        try:
-            return fn(attempt > 0)
-        except exc.DBAPIError as error:
-            if attempt < retries and is_transient(error):
-                time.sleep(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
-                continue
-            raise wrap(error, url) from error
-        except exc.SQLAlchemyError as error:
-            raise wrap(error, url) from error
+def retrying(fn: Callable[[bool], T], *, retries: int, url: str, timeout: float | None = None) -> T:
+    """Run ``fn(is_retry)``, retrying transient driver errors with jittered exponential
+    backoff, all within ``timeout`` seconds (``None``: no deadline).
+
+    Past the deadline the watchdog shuts down the connection the call is blocked on,
+    and no further try starts: the call ends with :class:`StoreUnavailable`.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    outer = None if deadline is None else WATCHDOG.arm(deadline)
+    try:
+        for attempt in range(retries + 1):
+            try:
+                return fn(attempt > 0)
+            except exc.DBAPIError as error:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise wrap(error, url, timeout=timeout) from error
+                if attempt < retries and is_transient(error):
+                    pause = random.uniform(0, min(2.0, 0.05 * 2**attempt))
+                    time.sleep(pause if left is None else min(pause, left))
+                    continue
+                raise wrap(error, url) from error
+            except exc.SQLAlchemyError as error:
+                raise wrap(error, url) from error
+    finally:
+        if outer is not None:
+            WATCHDOG.disarm(outer)
     raise AssertionError("unreachable")

@@ -7,13 +7,12 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from ..states import STEP_DONE as DONE
+from ..states import STEP_STARTED as STARTED
 from ..states import State
 from ._base import StoreBase
 from ._sql import db_now
 from ._types import FenceResult, Lease
-
-STARTED = "STARTED"
-DONE = "DONE"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,11 +38,15 @@ from sqlalchemy.dialects import postgresql
 from .. import policy, states
 from ..config import LeaseConfig
 from ..exceptions import SchemaOutOfDate
-from ..states import State
+from ..states import STEP_STARTED, Actor, State
 from . import migrations
 from ._base import StoreBase, TransitionEvent, bind, state_is
+from ._bulk import BulkMixin
+from ._health import HealthMixin
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
+from ._pauses import PausesMixin
+from ._retention import RetentionMixin
 from ._sql import after, db_now, greatest, seconds_between
 from ._steps import StepsMixin
 from ._types import Claim, Expiry, Lease, NewTask, Publishable, Refusal
@@ -57,6 +61,7 @@ _SUBMIT = (
     "args",
     "kwargs",
     "options",
+    "message",
     "lease_ttl",
     "max_runtime",
     "max_retries",
@@ -77,7 +82,16 @@ def _submit_params(new: NewTask) -> dict[str, Any]:
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
-class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
+class Store(
+    StepsMixin,
+    WorkersMixin,
+    BulkMixin,
+    OperatorMixin,
+    RetentionMixin,
+    HealthMixin,
+    PausesMixin,
+    StoreBase,
+):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
 
     def __init__(self, config: LeaseConfig) -> None:
@@ -422,6 +436,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 args=new.args,
                 kwargs=new.kwargs,
                 options=new.options,
+                message=new.message,
                 lease_ttl=new.lease_ttl,
                 max_runtime=new.max_runtime,
                 max_retries=new.max_retries,
@@ -456,10 +471,9 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         fenced by attempt and token. ``False``: the lease was lost; nothing was written."""
         t = self.t.tasks
         values: dict[str, Any] = {"finished_at": db_now(), "result": result, "error": error}
-        sources = [State.RUNNING]
-        if states.is_legal(State.WAIT_MANUAL, to) and to is not State.CANCELLED:
-            # over max_runtime the row went to WAIT_MANUAL but its owner kept running
-            sources.append(State.WAIT_MANUAL)
+        # RUNNING first; over max_runtime the row went to WAIT_MANUAL but its owner kept
+        # running, and may still finish from there
+        sources = sorted(states.sources(to, Actor.TASK), key=lambda s: s is not State.RUNNING)
 
         def fast(conn: Connection, _: bool) -> bool | None:
             moved = self._move_prepared(
@@ -512,10 +526,37 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
         return where, values, ()
 
     def schedule_retry(
-        self, lease: Lease, delay: float, *, actor: str, reason: str, error: str | None
+        self,
+        lease: Lease,
+        delay: float,
+        *,
+        actor: str,
+        reason: str,
+        error: str | None,
+        message: str | None = None,
+        requeued: bool = False,
     ) -> bool:
-        """RUNNING -> RETRY_WAIT with ``next_retry_at = now + delay`` (database time), fenced."""
+        """RUNNING -> RETRY_WAIT -> PENDING, fenced, in one transaction: the retry is due
+        ``delay`` seconds from now (database time) and its message goes out at once.
+
+        ``message``: the retry's message as Celery built it (stored in the row, which is
+        its outbox: if it is never published, the reaper publishes it). ``requeued``:
+        the broker keeps the delivered message (a ``Reject(requeue=True)``), so the row
+        is recorded published. ``False``: the lease was lost; nothing was written."""
         t = self.t.tasks
+        retry_values: dict[str, Any] = {
+            "next_retry_at": after(db_now(), delay),
+            "retries": t.c.retries + 1,
+            "error": error,
+        }
+        due: dict[str, Any] = {
+            "eta": t.c.next_retry_at,
+            "next_retry_at": None,
+            "published_at": db_now() if requeued else None,
+            "publish_count": 0,
+        }
+        if message is not None:
+            due["message"] = message
 
         def op(conn: Connection, is_retry: bool) -> bool:
             rows = self._move(
@@ -525,22 +566,27 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
                 State.RETRY_WAIT,
                 reason=reason,
                 actor=actor,
-                values={
-                    "next_retry_at": after(db_now(), delay),
-                    "retries": t.c.retries + 1,
-                    "error": error,
-                },
+                values=retry_values,
             )
             if rows:
+                self._move(
+                    conn,
+                    [t.c.id == lease.task_id],
+                    State.RETRY_WAIT,
+                    State.PENDING,
+                    reason=f"retry {'requeued' if requeued else 'published'} by its worker",
+                    actor=actor,
+                    values=due,
+                )
                 return True
             if is_retry:
                 row = conn.execute(
                     select(t.c.state, t.c.token).where(t.c.id == lease.task_id)
                 ).first()
-                return row is not None and row.token == lease.token and row.state == "RETRY_WAIT"
+                return row is not None and row.token == lease.token and row.state == "PENDING"
             return False
 
-        return self._single_then(lambda conn, retry: op(conn, False) or None, op)
+        return self._tx(op)
 
     # -- lease expiry -----------------------------------------------------------------
 
@@ -622,7 +668,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             select(s.c.name)
             .where(
                 s.c.task_id == task_id,
-                s.c.state == "STARTED",
+                s.c.state == STEP_STARTED,
                 # only this attempt's calls can be in flight: a step left STARTED by an
                 # earlier attempt ended when its call raised and the task chose to retry
                 s.c.attempt == row.attempt,
@@ -717,6 +763,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             t.c.options,
             t.c.retries,
             seconds_between(t.c.eta, db_now()).label("countdown"),
+            t.c.message,
         )
 
     @staticmethod
@@ -726,7 +773,14 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             countdown = float(r.countdown) if r.countdown is not None and r.countdown > 0 else None
             out.append(
                 Publishable(
-                    str(r.id), r.name, r.args, r.kwargs, r.options, int(r.retries), countdown
+                    str(r.id),
+                    r.name,
+                    r.args,
+                    r.kwargs,
+                    r.options,
+                    int(r.retries),
+                    countdown,
+                    r.message,
                 )
             )
         return out
@@ -806,6 +860,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             q = (
                 select(t.c.id)
                 .where(t.c.state == State.PENDING.value, or_(never, lost))
+                .where(self.paused_names_clause())  # held until the pause ends
                 .limit(batch)
             )
             if self.is_pg:
@@ -824,13 +879,3 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, StoreBase):
             return self._publishable(rows)
 
         return self._tx(op)
-
-    # -- misc -------------------------------------------------------------------------
-
-    def now(self) -> Any:
-        """The database's current time."""
-        return self._read(lambda conn: conn.execute(select(db_now())).scalar_one())
-
-    def ping(self) -> None:
-        """Raise :class:`StoreUnavailable` unless the database answers."""
-        self._read(lambda conn: conn.execute(select(literal(1))).scalar_one())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import datetime
+from typing import Any
 
 from ..states import State
 
@@ -26,6 +27,8 @@ class NewTask:
     max_retries: int | None = None
     on_timeout: str = "retry"
     on_exhausted: str = "fail"
+    #: The message Celery built for the task (see ``celery_lease._message``).
+    message: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,8 @@ class Publishable:
     retries: int
     #: Seconds from now (database time) until the row's ETA, if in the future.
     countdown: float | None
+    #: The stored message (``None``: a row written before messages were stored).
+    message: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +94,16 @@ class FenceResult:
 
     cancel_requested: bool
     cancel_reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """Another live incarnation under the same node name (see ``Store.peers``)."""
+
+    id: str
+    hostname: str
+    pid: int
+    #: Seconds since its last heartbeat (database time).
+    heartbeat_age: float
+    #: Its last heartbeat as the database stores it (to see whether it moves).
+    heartbeat_at: Any

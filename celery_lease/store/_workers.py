@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, delete, or_, update
+from collections.abc import Sequence
+
+from sqlalchemy import Connection, delete, or_, select, update
 
 from ._base import StoreBase
-from ._sql import after, db_now
+from ._sql import after, db_now, seconds_between
+from ._types import Peer
 
 
 class WorkersMixin(StoreBase):
-    def register_worker(self, worker_id: str, nodename: str, hostname: str, pid: int) -> list[str]:
-        """Insert this incarnation; mark earlier live incarnations of the same node name
-        stopped (a restart means they are gone). Returns their ids."""
+    def register_worker(
+        self, worker_id: str, nodename: str, hostname: str, pid: int, *, supersede: bool = True
+    ) -> list[str]:
+        """Insert this incarnation; with ``supersede``, mark earlier live incarnations of
+        the same node name stopped (a restart means they are gone) and return their ids.
+
+        A worker that may find a live duplicate registers with ``supersede=False``, looks
+        at :meth:`peers` and supersedes only the dead ones (:meth:`supersede`).
+        """
         w = self.t.workers
 
         def op(conn: Connection, _: bool) -> list[str]:
@@ -27,10 +36,45 @@ class WorkersMixin(StoreBase):
                 )
                 .on_conflict_do_nothing()
             )
+            if not supersede:
+                return []
             rows = conn.execute(
                 update(w)
                 .where(w.c.nodename == nodename, w.c.id != worker_id, w.c.stopped_at.is_(None))
                 .values(stopped_at=db_now(), stop_reason=f"superseded by restart {worker_id}")
+                .returning(w.c.id)
+            ).all()
+            return [str(r.id) for r in rows]
+
+        return self._tx(op)
+
+    def peers(self, nodename: str, worker_id: str) -> list[Peer]:
+        """The other live (not stopped) incarnations named ``nodename``."""
+        w = self.t.workers
+        q = select(
+            w.c.id,
+            w.c.hostname,
+            w.c.pid,
+            w.c.heartbeat_at,
+            seconds_between(db_now(), w.c.heartbeat_at).label("age"),
+        ).where(w.c.nodename == nodename, w.c.id != worker_id, w.c.stopped_at.is_(None))
+        rows = self._read(lambda conn: conn.execute(q).all())
+        return [
+            Peer(str(r.id), str(r.hostname), int(r.pid), float(r.age), r.heartbeat_at) for r in rows
+        ]
+
+    def supersede(self, worker_ids: Sequence[str], by: str) -> list[str]:
+        """Mark these incarnations stopped (gone: superseded by ``by``); returns the ids
+        this call stopped (not those already stopped)."""
+        if not worker_ids:
+            return []
+        w = self.t.workers
+
+        def op(conn: Connection, _: bool) -> list[str]:
+            rows = conn.execute(
+                update(w)
+                .where(w.c.id.in_(list(worker_ids)), w.c.stopped_at.is_(None))
+                .values(stopped_at=db_now(), stop_reason=f"superseded by restart {by}")
                 .returning(w.c.id)
             ).all()
             return [str(r.id) for r in rows]

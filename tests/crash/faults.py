@@ -304,6 +304,10 @@ class TcpProxy:
 
     ``cut()`` closes every proxied connection and refuses new ones (a dead host or a
     firewall answering RST); ``restore()`` accepts again on the same port.
+    ``blackhole()`` keeps accepting and keeps every connection open but forwards
+    nothing either way (a server, NAT or load balancer that stopped answering: the
+    client's writes succeed, no answer ever comes); ``resume()`` forwards again, what
+    was held back included.
     """
 
     def __init__(self, target: tuple[str, int] = ("127.0.0.1", 5432)) -> None:
@@ -317,6 +321,8 @@ class TcpProxy:
         self.port = int(probe.getsockname()[1])
         probe.close()
         self.cuts = 0
+        self._flowing = threading.Event()
+        self._flowing.set()
 
     def url(self, database_url: str) -> str:
         """``database_url`` rewritten to go through this proxy."""
@@ -340,6 +346,14 @@ class TcpProxy:
 
     restore = start
 
+    def blackhole(self) -> None:
+        """Accept connections but forward nothing (existing connections stay open)."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        """Forward again after :meth:`blackhole`, including what was held back."""
+        self._flowing.set()
+
     def cut(self) -> None:
         """Drop every connection and stop listening (connects are refused)."""
         self.cuts += 1
@@ -359,6 +373,7 @@ class TcpProxy:
                 conn.shutdown(socket.SHUT_RDWR)
 
     close = cut
+    refuse = cut
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -366,15 +381,36 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:
                 return
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                client.close()
+            if not self._flowing.is_set():
+                # black-holed: hold the client without a server behind it, as a dead
+                # server behind a live load balancer does; connect once resumed
+                threading.Thread(target=self._hold, args=(client,), daemon=True).start()
                 continue
-            upstream.settimeout(None)
+            self._connect(client)
+
+    def _hold(self, client: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(client)
+        while not self._flowing.wait(0.2):
             with self._lock:
-                self._conns.update((client, upstream))
-            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+                if client not in self._conns:
+                    with contextlib.suppress(OSError):
+                        client.close()
+                    return
+        self._connect(client)
+
+    def _connect(self, client: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(client)
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        with self._lock:
+            self._conns.update((client, upstream))
+        threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         sel = selectors.DefaultSelector()
@@ -382,6 +418,13 @@ class TcpProxy:
         sel.register(b, selectors.EVENT_READ, a)
         try:
             while True:
+                if not self._flowing.is_set():
+                    # black-holed: read nothing, send nothing, keep both ends open
+                    self._flowing.wait(0.2)
+                    with self._lock:
+                        if a not in self._conns:
+                            return
+                    continue
                 for key, _ in sel.select(timeout=1.0):
                     src: socket.socket = key.fileobj  # type: ignore[assignment]
                     data = src.recv(65536)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 from celery import Celery
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_lease import config
-from celery_lease.config import SETTINGS, LeaseConfig, from_mapping
+from celery_lease.config import SETTINGS, LeaseConfig, from_mapping, resolve_database_url
 from celery_lease.exceptions import CeleryLeaseError, ConfigurationError
 
 
@@ -37,21 +38,44 @@ DEFAULTS = {
     "max_age": None,
     "max_runtime": None,
     "result_max_bytes": 65536,
+    "args_max_bytes": 1048576,
     "auto_migrate": False,
     "pool_size": 5,
     "sqlite_busy_timeout": 30.0,
     "db_retries": 3,
+    "db_timeout": 10.0,
+    "db_connect_timeout": 5.0,
+    "db_retry_on_startup": True,
+    "db_startup_timeout": 60.0,
+    "retention": 7 * 86400.0,
+    "retention_batch_size": 1000,
     "send_events": True,
     "result_backend_sync": True,
 }
 
 
 def test_defaults():
-    assert dataclasses.asdict(LeaseConfig()) == DEFAULTS
+    # the default SQLite file is resolved once, against the current directory
+    resolved = {**DEFAULTS, "database_url": resolve_database_url(DEFAULTS["database_url"])}
+    assert resolved["database_url"] == f"sqlite:///{os.path.abspath('celery-lease.sqlite3')}"
+    assert dataclasses.asdict(LeaseConfig()) == resolved
 
 
 def test_empty_mapping_gives_the_defaults():
     assert from_mapping({}) == LeaseConfig()
+
+
+def test_retention_none_keeps_everything_and_unset_is_the_default():
+    assert from_mapping({"lease_retention": None}).retention is None
+    assert from_mapping({}).retention == config.DEFAULT_RETENTION
+    app = Celery(set_as_current=False)
+    assert from_mapping(app.conf).retention == config.DEFAULT_RETENTION
+    app.conf.lease_retention = None
+    assert from_mapping(app.conf).retention is None
+    app.conf.lease_retention = "3600"
+    assert from_mapping(app.conf).retention == 3600.0
+    with pytest.raises(ConfigurationError, match="lease_retention"):
+        LeaseConfig(retention=0)
 
 
 def test_every_field_has_exactly_one_setting():
@@ -138,7 +162,7 @@ def test_environment_supplies_an_unset_database_url(monkeypatch):
     monkeypatch.setenv("CELERY_LEASE_DATABASE_URL", "postgresql://env@h/db")
     assert from_mapping({}).database_url == "postgresql://env@h/db"
     explicit = from_mapping({"lease_database_url": "sqlite:///x.db"})
-    assert explicit.database_url == "sqlite:///x.db"
+    assert explicit.database_url == f"sqlite:///{os.path.abspath('x.db')}"
 
 
 def test_config_is_frozen():

@@ -175,3 +175,31 @@ def test_state_values_are_their_names():
         assert str(state) == state.name
         assert State(state.name) is state
     assert len(State) == 8
+
+
+def test_every_rule_names_who_may_take_it():
+    assert all(rule.actors and rule.note.strip() for rule in states.RULES.values())
+    assert {pair: rule.note for pair, rule in states.RULES.items()} == states.TRANSITIONS
+
+
+def test_operator_actions_are_derived_from_the_table():
+    assert states.action_sources("retry") == {S.WAIT_MANUAL, S.FAILED, S.TIMEOUT}
+    assert states.action_sources("fail") == {S.WAIT_MANUAL}
+    assert states.action_sources("resolve") == {S.WAIT_MANUAL}
+    # a RUNNING task is asked to stop; the task itself makes RUNNING -> CANCELLED
+    assert states.action_sources("cancel") == states.CANCELLABLE | {S.RUNNING}
+    assert S.RUNNING not in states.sources(S.CANCELLED, states.Actor.OPERATOR)
+    assert states.sources(S.CANCELLED, states.Actor.TASK) == {S.RUNNING}
+
+
+def test_a_tasks_own_outcome_may_come_from_running_or_an_overrun():
+    for outcome in (S.SUCCEEDED, S.FAILED):
+        assert states.sources(outcome, states.Actor.TASK) == {S.RUNNING, S.WAIT_MANUAL}
+    assert states.sources(S.WAIT_MANUAL, states.Actor.TASK) == {S.RUNNING}
+
+
+def test_celery_reports_the_tasks_own_outcomes_but_not_expiry_or_operators():
+    reports = states.CELERY_REPORTS
+    assert (S.RUNNING, S.SUCCEEDED) in reports
+    assert (S.RUNNING, S.TIMEOUT) not in reports
+    assert not any(states.Actor.OPERATOR in states.RULES[pair].actors for pair in reports)

@@ -14,9 +14,9 @@ from typing import Any
 
 from django import forms
 
-from ...admin import Admin
 from ...exceptions import IllegalTransition, TaskNotFound
-from ...states import CANCELLABLE, RETRYABLE, State
+from ...operations import Admin
+from ...states import State, action_sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ ACTIONS: dict[str, LeaseAction] = {
             "retried",
             "Back to PENDING and published again. Completed steps are kept, so the run "
             "resumes after them; a step whose outcome was unknown runs again.",
-            RETRYABLE,
+            action_sources("retry"),
             reason_required=False,
         ),
         LeaseAction(
@@ -84,7 +84,7 @@ ACTIONS: dict[str, LeaseAction] = {
             "Fail",
             "failed",
             "Mark FAILED: the task will not complete.",
-            frozenset({State.WAIT_MANUAL}),
+            action_sources("fail"),
             reason_required=True,
         ),
         LeaseAction(
@@ -93,7 +93,7 @@ ACTIONS: dict[str, LeaseAction] = {
             "resolved",
             "Mark SUCCEEDED: the work was finished by hand. The result (JSON) is stored "
             "as the task's result.",
-            frozenset({State.WAIT_MANUAL}),
+            action_sources("resolve"),
             reason_required=True,
             takes_result=True,
         ),
@@ -103,14 +103,14 @@ ACTIONS: dict[str, LeaseAction] = {
             "cancelled",
             "PENDING, RETRY_WAIT, TIMEOUT, WAIT_MANUAL and FAILED tasks become CANCELLED at "
             "once; a RUNNING task is asked to stop and does so at its next step boundary.",
-            CANCELLABLE | {State.RUNNING},
+            action_sources("cancel"),
             reason_required=False,
         ),
     )
 }
 
 
-class LeaseActionForm(forms.Form):  # type: ignore[misc]
+class LeaseActionForm(forms.Form):
     """Reason (and, for resolve, a JSON result) for an operator action."""
 
     reason = forms.CharField(

@@ -1,0 +1,137 @@
+"""The limits of a submission, checked before anything is written or published.
+
+One set of limits for every store: SQLite would accept text that PostgreSQL refuses
+(a key over its column's 255 characters, a NUL), and a value the store cannot hold
+must fail the same way everywhere, as a ``ValueError``/``TypeError`` that names the
+argument, never as a ``StoreError`` after part of the work is done. Every submission
+path (``apply_async``, the transactional outbox, bulk submission) calls
+:func:`check_submission`; it runs on every submission, so it only compares lengths of
+text that was built anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from datetime import datetime, timezone
+from numbers import Real
+
+from .exceptions import ArgumentsTooLarge, InvalidSubmissionType, InvalidSubmissionValue
+
+#: Longest task id, dedup key and task name, in characters (the columns are String(255)).
+MAX_KEY_CHARS = 255
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When a submitted task is due: ``countdown`` seconds from the database's now, or
+    at ``eta`` (timezone-aware), or at once (both ``None``)."""
+
+    countdown: float | None
+    eta: datetime | None
+
+
+def check_key(argument: str, value: object) -> str:
+    """``value`` if it is text every store can hold as a key, else raise naming ``argument``.
+
+    Raises:
+        InvalidSubmissionType: not a string.
+        InvalidSubmissionValue: empty, over :data:`MAX_KEY_CHARS` characters, containing
+            a NUL character, or not encodable as UTF-8 (a lone surrogate).
+    """
+    if not isinstance(value, str):
+        raise InvalidSubmissionType(
+            argument, f"{argument} must be a string, got {type(value).__name__}"
+        )
+    if not value:
+        raise InvalidSubmissionValue(argument, f"{argument} must be a non-empty string")
+    if len(value) > MAX_KEY_CHARS:
+        raise InvalidSubmissionValue(
+            argument,
+            f"{argument} is {len(value)} characters long, the limit is {MAX_KEY_CHARS} "
+            "(hash a longer natural key, e.g. with hashlib.sha256)",
+        )
+    if "\x00" in value:
+        raise InvalidSubmissionValue(argument, f"{argument} must not contain a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidSubmissionValue(
+            argument, f"{argument} is not valid Unicode text: {error.reason}"
+        ) from None
+    return value
+
+
+def check_schedule(countdown: object, eta: object) -> Schedule:
+    """The validated schedule of a submission (``countdown`` wins over ``eta``, as in Celery).
+
+    ``countdown`` is a finite number of seconds; ``eta`` a ``datetime`` (naive means UTC)
+    or an ISO 8601 string.
+
+    Raises:
+        InvalidSubmissionType: ``countdown`` is not a number or ``eta`` not a datetime.
+        InvalidSubmissionValue: ``countdown`` is not finite or ``eta`` is not ISO 8601.
+    """
+    if countdown is not None:
+        if isinstance(countdown, bool) or not isinstance(countdown, Real):
+            raise InvalidSubmissionType(
+                "countdown",
+                f"countdown must be a number of seconds, got {type(countdown).__name__}",
+            )
+        seconds = float(countdown)
+        if not math.isfinite(seconds):
+            raise InvalidSubmissionValue(
+                "countdown", f"countdown must be a finite number of seconds, got {countdown!r}"
+            )
+        return Schedule(countdown=seconds, eta=None)
+    if eta is None:
+        return Schedule(countdown=None, eta=None)
+    if isinstance(eta, str):
+        try:
+            eta = datetime.fromisoformat(eta)
+        except ValueError:
+            raise InvalidSubmissionValue(
+                "eta", f"eta must be an ISO 8601 date and time, got {eta!r}"
+            ) from None
+    if not isinstance(eta, datetime):
+        raise InvalidSubmissionType(
+            "eta",
+            f"eta must be a datetime (or an ISO 8601 string), got {type(eta).__name__}: "
+            "for a delay in seconds use countdown=",
+        )
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=timezone.utc)
+    return Schedule(countdown=None, eta=eta)
+
+
+def check_submission(
+    *,
+    task_name: str,
+    task_id: object,
+    dedup_key: object,
+    args_text: str,
+    kwargs_text: str,
+    countdown: object,
+    eta: object,
+    args_max_bytes: int,
+) -> Schedule:
+    """Check one submission against every limit; return its schedule.
+
+    ``args_text``/``kwargs_text`` are the arguments as the row stores them (compact JSON
+    with ASCII escapes, so characters are bytes).
+
+    Raises:
+        InvalidSubmissionType: an argument of the wrong type (names it).
+        InvalidSubmissionValue: a value outside the limits (names it).
+        ArgumentsTooLarge: the arguments are over ``args_max_bytes`` (an
+            :class:`InvalidSubmissionValue`).
+    """
+    check_key("task name", task_name)
+    check_key("task_id", task_id)
+    if dedup_key is not None:
+        check_key("dedup_key", dedup_key)
+    size = len(args_text) + len(kwargs_text)
+    if size > args_max_bytes:
+        biggest = "args" if len(args_text) >= len(kwargs_text) else "kwargs"
+        raise ArgumentsTooLarge(biggest, size, args_max_bytes, task_name)
+    return check_schedule(countdown, eta)
