@@ -63,6 +63,11 @@ _PUBLISH_ARGS = frozenset(
 class _NoConnection:
     """What ``send_task`` asks of ``producer.connection`` while a message is captured."""
 
+    #: Celery 5.7 publishes a worker's callbacks (a chain's next step, ``link=``, a
+    #: chord's callback) through its own retry loop, which reads the errors to retry on
+    #: from the producer's connection: recording a message never raises one
+    recoverable_connection_errors: tuple[type[BaseException], ...] = ()
+
     @contextlib.contextmanager
     def _reraise_as_library_errors(self) -> Iterator[None]:
         yield
