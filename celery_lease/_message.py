@@ -72,11 +72,6 @@ class _NoConnection:
     connection_errors: tuple[type[BaseException], ...] = ()
     channel_errors: tuple[type[BaseException], ...] = ()
 
-    #: Celery 5.7 publishes a worker's callbacks (a chain's next step, ``link=``, a
-    #: chord's callback) through its own retry loop, which reads the errors to retry on
-    #: from the producer's connection: recording a message never raises one
-    recoverable_connection_errors: tuple[type[BaseException], ...] = ()
-
     @contextlib.contextmanager
     def _reraise_as_library_errors(self) -> Iterator[None]:
         yield
