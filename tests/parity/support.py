@@ -551,7 +551,7 @@ def check_all(
         rows = "\n".join(
             f"  {s.name}: {parity.rows(parity.sides['l'], _ids(parity, s))}" for s in scenarios
         )
-        failures.append(f"leased rows of these scenarios:\n{rows}")
+        failures.append(f"leased rows of these scenarios:\n{rows}{parity.p.stacks()}")
     return failures
 
 
