@@ -49,6 +49,7 @@ from ._pauses import PausesMixin
 from ._retention import RetentionMixin
 from ._sql import after, db_now, greatest, seconds_between
 from ._steps import StepsMixin
+from ._submit_many import SubmitManyMixin
 from ._types import Claim, Expiry, Lease, NewTask, Publishable, Refusal
 from ._workers import WorkersMixin
 from .schema import SCHEMA_VERSION
@@ -90,6 +91,7 @@ class Store(
     RetentionMixin,
     HealthMixin,
     PausesMixin,
+    SubmitManyMixin,
     StoreBase,
 ):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
@@ -361,7 +363,11 @@ class Store(
                 ).first()
                 if row is not None and row.state == State.PENDING.value and row[2]:
                     return Refusal(task_id, State.PENDING, "arrived before its ETA", early=True)
-                if row is None and adopt is not None:
+                if row is not None and row.state == State.PENDING.value:
+                    # its ETA came between the claim and the read (a retry is delivered
+                    # at its ETA, to the millisecond): claim it now
+                    rows = move(conn)
+                elif row is None and adopt is not None:
                     self._adopt(conn, adopt() if callable(adopt) else adopt)
                     adopted = True
                     rows = move(conn)  # an adopted row has no ETA: due at once
@@ -371,7 +377,7 @@ class Store(
                         t.c.id == task_id
                     )
                     rows = list(conn.execute(again))
-                else:
+                if not rows:
                     state = State(row.state) if row is not None else None
                     why = "no row for this message" if row is None else f"task is {state}"
                     return Refusal(task_id, state, why)
