@@ -194,6 +194,17 @@ def retries() -> list[Scenario]:
             all_states=True,
         ),
         Scenario(
+            "retry_with_link",
+            lambda s, t: s.retry_once.apply_async((2,), {"tag": t}, link=s.collect.s(tag=t)),
+            {
+                "result": 2,
+                "starts": {"retry_once": 2, "collect": 1},
+                "done": {"retry_once": 1, "collect": 1},
+                "values": ["2"],
+            },
+            all_states=True,
+        ),
+        Scenario(
             "retry_eta_naive",
             lambda s, t: s.retry_once.apply_async((3,), {"tag": t, "eta": "naive"}),
             {"result": 3, "starts": {"retry_once": 2}, "done": {"retry_once": 1}},
