@@ -20,11 +20,8 @@ import dataclasses
 import json
 import os
 import platform
-import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -33,6 +30,8 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+from celery_lease.testing import WorkerProcess, wait_until
 
 T = TypeVar("T")
 
@@ -486,82 +485,48 @@ class Project:
         loglevel: str = "WARNING",
         extra_args: Sequence[str] = (),
     ) -> Worker:
-        argv = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
+        return Worker(
             self.module,
-            "worker",
-            f"--loglevel={loglevel}",
-            "-P",
-            pool,
-            "-c",
-            str(concurrency),
-            "-n",
-            nodename,
-            "-Q",
-            queue,
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            *extra_args,
-        ]
-        log = self.directory / f"worker-{uuid.uuid4().hex[:6]}.log"
-        return Worker(argv, self.directory, self.process_env(env), log)
+            cwd=self.directory,
+            env=self.process_env(env),
+            log_path=self.directory / f"worker-{uuid.uuid4().hex[:6]}.log",
+            pool=pool,
+            concurrency=concurrency,
+            nodename=nodename,
+            queues=[queue],
+            loglevel=loglevel,
+            extra_args=extra_args,
+        )
 
 
-class Worker:
-    """One ``celery worker`` subprocess in its own process group."""
+class Worker(WorkerProcess):
+    """One ``celery worker`` subprocess in its own process group (the testing kit's
+    :class:`celery_lease.testing.WorkerProcess`, run with the project's environment)."""
 
-    READY = re.compile(r" ready\.\s*$", re.MULTILINE)
-
-    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> None:
-        self.argv = argv
-        self.cwd = cwd
-        self.env = env
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._offset = 0
+    def __init__(self, app: str, **options: Any) -> None:
+        super().__init__(app, **options)
         self.started_at = 0.0
 
+    def process_env(self) -> dict[str, str]:
+        return dict(self.env)  # Project.process_env built all of it
+
     def start(self) -> Worker:
-        with self.log.open("ab") as fh:
-            self._offset = fh.tell()
-            self.started_at = time.time()
-            self.proc = subprocess.Popen(
-                self.argv,
-                cwd=self.cwd,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.started_at = time.time()
+        super().start()
         return self
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def log_text(self) -> str:
-        try:
-            with self.log.open("rb") as fh:
-                fh.seek(self._offset)
-                return fh.read().decode(errors="replace")
-        except FileNotFoundError:
-            return ""
+    def log_text(self, since_start: bool = True) -> str:
+        return super().log_text(since_start)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.is_alive()
 
     def check_alive(self) -> bool:
         """``False`` while the worker runs (so it can lead a polling ``or``); raises with
         the log tail once it has exited."""
         if not self.alive():
             tail = "\n".join(self.log_text().splitlines()[-30:])
-            raise RuntimeError(f"worker exited early ({self.argv[4]}):\n{tail}")
+            raise RuntimeError(f"worker exited early ({self.app}):\n{tail}")
         return False
 
     def wait_ready(self, timeout: float = 60.0) -> float:
@@ -573,50 +538,24 @@ class Worker:
         )
         return time.time()
 
-    def children(self) -> list[int]:
-        kids: set[int] = set()
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{self.pid}/task").iterdir():
-                with contextlib.suppress(OSError):
-                    kids.update(int(c) for c in (task / "children").read_text().split())
-        return sorted(kids)
-
-    def signal_group(self, sig: int) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 15.0) -> int | None:
         """Warm shutdown, then SIGKILL of the whole group (never anyone else's process)."""
         if self.proc is None:
-            return
-        self.signal_group(signal.SIGCONT)
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout)
-        self.kill()
+            return None
+        return super().stop(timeout)
 
     def kill(self) -> None:
-        if self.proc is None:
-            return
-        self.signal_group(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+        self.terminate_now()
 
 
 def wait_for(
     predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02
 ) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what}: not reached within {timeout:g} s")
-        time.sleep(interval)
+    """The kit's :func:`~celery_lease.testing.wait_until`, raising ``TimeoutError``."""
+    try:
+        return wait_until(predicate, timeout=timeout, interval=interval, message=what)
+    except AssertionError as error:
+        raise TimeoutError(f"{what}: not reached within {timeout:g} s") from error
 
 
 def done_times(done_dir: Path) -> list[float]:

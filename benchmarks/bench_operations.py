@@ -16,7 +16,6 @@ fixed time; a second thread claims PENDING rows one after another the whole time
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import sys
@@ -145,35 +144,32 @@ def build(store: Any, total: int, ctx: Context) -> dict[str, float]:
 
 
 def explain(store: Any, fn: Any) -> list[tuple[str, str]]:
-    """Plans (``EXPLAIN (ANALYZE, BUFFERS)``) of every SELECT that ``fn()`` sends."""
+    """Plans (``EXPLAIN (ANALYZE, BUFFERS)``) of every query that ``fn()`` sends, each
+    explained on a connection of its own and rolled back (a retention batch explained
+    deletes nothing), while ``fn()`` itself runs as usual."""
     from sqlalchemy import event
 
     plans: list[tuple[str, str]] = []
+    raw = store.engine.raw_connection()
 
     def before(
         conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool
-    ) -> Any:
-        if statement.lstrip().upper().startswith(("SELECT", "WITH")):
-            context._bench_explain = statement
-            return "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + statement, params
-        return statement, params
-
-    def after(
-        conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool
     ) -> None:
-        original = getattr(context, "_bench_explain", None)
-        if original is not None:
-            plans.append((original, "\n".join(row[0] for row in cursor.fetchall())))
+        if many or not statement.lstrip().upper().startswith(("SELECT", "WITH")):
+            return
+        try:
+            cur = raw.cursor()
+            cur.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + statement, params)
+            plans.append((statement, "\n".join(row[0] for row in cur.fetchall())))
+        finally:
+            raw.rollback()
 
-    event.listen(store.engine, "before_cursor_execute", before, retval=True)
-    event.listen(store.engine, "after_cursor_execute", after)
+    event.listen(store.engine, "before_cursor_execute", before)
     try:
-        # the answers are plans, not rows: what reads them may choke on them
-        with contextlib.suppress(Exception):
-            fn()
+        fn()
     finally:
         event.remove(store.engine, "before_cursor_execute", before)
-        event.remove(store.engine, "after_cursor_execute", after)
+        raw.close()
     return plans
 
 

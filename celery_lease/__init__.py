@@ -5,13 +5,18 @@ optional dedup key, per-step checkpoints and a heartbeat lease; a reaper moves
 tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
-from ._execution import DuplicateStep
+from ._bulk_submit import Submitted, bulk
 from ._outbox import outbox_transaction
+from ._runtime import install
+
+# through the submodule ``admin``: importing it binds ``celery_lease.admin`` to the
+# module, and the function must be bound after that, here, not by a later import
 from .admin import Admin, Stats, admin
 from .exceptions import (
     ArgumentsTooLarge,
     CeleryLeaseError,
     ConfigurationError,
+    DuplicateStep,
     IllegalTransition,
     InvalidSubmission,
     InvalidSubmissionType,
@@ -24,13 +29,13 @@ from .exceptions import (
     StoreError,
     StoreUnavailable,
     TaskCancelled,
+    TaskFailed,
     TaskNotFound,
 )
 from .reaper import ReapReport, reap
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import TRANSITIONS, State
 from .task import LeasedTask
-from .worker import install
 
 __version__ = "0.1.0"
 
@@ -57,13 +62,16 @@ __all__ = [
     "StepRecord",
     "StoreError",
     "StoreUnavailable",
+    "Submitted",
     "TaskCancelled",
+    "TaskFailed",
     "TaskNotFound",
     "TaskRecord",
     "TransitionRecord",
     "WorkerRecord",
     "__version__",
     "admin",
+    "bulk",
     "install",
     "outbox_transaction",
     "reap",

@@ -1,87 +1,34 @@
-"""Per-app runtime: settings, the store (one per process), the worker incarnation."""
+"""Per-app runtime: installation, settings, the store (one per process), the worker
+incarnation and the record of the app's leased tasks (for the shortest TTL).
+
+Everything here sits below the task, the worker and the reaper: it names the
+worker's bootstep and the reaper's task by their dotted paths, never by import.
+"""
 
 from __future__ import annotations
 
 import getpass
-import mmap
 import os
-import struct
 import threading
-import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 from celery import Celery
 
 from . import config as _config
+from ._incarnation import Incarnation, SharedFlags
 from .notify import attach
+from .pause import PauseCache
 from .store import Store
 
-if TYPE_CHECKING:
-    from .worker import WorkerService
+#: The worker bootstep celery-lease adds (by path: the worker module sits above this one).
+WORKER_STEP = "celery_lease.worker:LeaseStep"
+#: The beat entry that runs the reaper (``lease_beat_reaper``).
+BEAT_ENTRY = "celery-lease-reap"
 
+_install_lock = threading.Lock()
 _runtimes: weakref.WeakKeyDictionary[Celery, Runtime] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-
-
-class SharedFlags:
-    """A few bytes shared by a worker's main process and its (forked) pool children.
-
-    Anonymous shared memory is inherited across ``fork``: the main process sets the
-    fence flag when it cannot renew its heartbeat, and every child sees it at its
-    next step boundary without a database round trip.
-
-    It also holds the heartbeat's deadline: the monotonic time (system-wide, so the
-    same clock in every process) by which the next renewal must succeed. Past it the
-    worker is fenced even if the heartbeat thread never got to say so: a renewal stuck
-    in a connect timeout, or a main process frozen while its children run, cannot
-    keep a lease alive past its TTL.
-    """
-
-    _DEADLINE = struct.Struct("d")
-
-    def __init__(self) -> None:
-        self._mem = mmap.mmap(-1, 16)
-
-    @property
-    def fenced(self) -> bool:
-        if self._mem[0] == 1:
-            return True
-        deadline = self.deadline
-        return deadline > 0 and time.monotonic() >= deadline
-
-    @fenced.setter
-    def fenced(self, value: bool) -> None:
-        self._mem[0] = 1 if value else 0
-
-    @property
-    def raised(self) -> bool:
-        """Whether the heartbeat thread itself raised the flag (the deadline aside)."""
-        return self._mem[0] == 1
-
-    @property
-    def deadline(self) -> float:
-        """Monotonic time past which the leases are lost (0: no deadline yet)."""
-        return float(self._DEADLINE.unpack_from(self._mem, 8)[0])
-
-    @deadline.setter
-    def deadline(self, value: float) -> None:
-        self._DEADLINE.pack_into(self._mem, 8, value)
-
-
-class Incarnation:
-    """One start of one worker: a fresh id, with host and pid for humans."""
-
-    def __init__(self, worker_id: str, nodename: str, hostname: str, pid: int) -> None:
-        self.id = worker_id
-        self.nodename = nodename
-        self.hostname = hostname
-        self.pid = pid
-        self.flags = SharedFlags()
-
-    @property
-    def actor(self) -> str:
-        return f"worker:{self.nodename}"
 
 
 class Runtime:
@@ -91,11 +38,20 @@ class Runtime:
         self.app = app
         self.installed = False
         self.incarnation: Incarnation | None = None
-        self.service: WorkerService | None = None
+        #: Names of the app's leased tasks (recorded as each binds to the app).
+        self.leased: set[str] = set()
         self._config: _config.LeaseConfig | None = None
         self._store: Store | None = None
         self._store_pid = 0
         self._lock = threading.Lock()
+        self._pauses: PauseCache | None = None
+
+    @property
+    def pauses(self) -> PauseCache:
+        """What is paused, as this process last read it (see :mod:`celery_lease.pause`)."""
+        if self._pauses is None:
+            self._pauses = PauseCache(self.config.heartbeat_interval)
+        return self._pauses
 
     @property
     def config(self) -> _config.LeaseConfig:
@@ -119,6 +75,17 @@ class Runtime:
                 store = self._store
         return store
 
+    def shortest_ttl(self) -> float:
+        """The shortest lease TTL among the app's leased tasks and the default: after
+        that long without a heartbeat some lease may already have been taken over, so
+        the worker self-fences."""
+        ttls = [self.config.ttl]
+        for name in sorted(self.leased):
+            ttl = getattr(self.app.tasks.get(name), "lease_ttl", None)
+            if ttl is not None:
+                ttls.append(float(ttl))
+        return min(ttls)
+
     def reset(self) -> None:
         """Forget settings and the store (tests; after changing ``app.conf``)."""
         with self._lock:
@@ -139,9 +106,56 @@ def runtime(app: Celery) -> Runtime:
     return rt
 
 
+def install(app: Celery) -> Runtime:
+    """Hook celery-lease into ``app`` (idempotent).
+
+    Called automatically when a ``LeasedTask`` binds to the app; call it yourself
+    only to install before any leased task is defined. Adds the worker bootstep,
+    the beat entry for the reaper (``lease_beat_reaper``) and the signal handlers.
+    """
+    rt = runtime(app)
+    with _install_lock:
+        if rt.installed:
+            return rt
+        rt.installed = True
+    app.steps["worker"].add(WORKER_STEP)
+    if getattr(app, "configured", False):
+        _add_beat_entry(app)
+    else:
+        app.on_after_configure.connect(_on_configured, weak=False)
+    return rt
+
+
+def _on_configured(sender: Celery, **kwargs: Any) -> None:
+    if runtime(sender).installed:
+        _add_beat_entry(sender)
+
+
+def _add_beat_entry(app: Celery) -> None:
+    cfg = _config.from_mapping(app.conf)
+    if cfg.beat_reaper and BEAT_ENTRY not in (app.conf.beat_schedule or {}):
+        app.add_periodic_task(
+            cfg.reaper_interval,
+            app.signature("celery_lease.reap"),
+            name=BEAT_ENTRY,
+            expires=max(cfg.reaper_interval, 1.0),
+        )
+
+
 def default_actor() -> str:
     """The OS user, for operator actions without an explicit actor."""
     try:
         return getpass.getuser()
     except (KeyError, OSError):
         return f"uid:{os.getuid()}"
+
+
+__all__ = [
+    "BEAT_ENTRY",
+    "Incarnation",
+    "Runtime",
+    "SharedFlags",
+    "default_actor",
+    "install",
+    "runtime",
+]

@@ -71,6 +71,9 @@ KINDS: dict[str, str] = {
     "manual_without_reason": "WAIT_MANUAL without a reason for the person who must decide",
     "orphan_audit": "audit rows of a task that has no row",
     "orphan_step": "step rows of a task that has no row",
+    "worker_on_other_store": (
+        "a live worker whose incarnation this store has never seen: it uses another store"
+    ),
 }
 
 #: Slack for comparing database times that went through SQLite's REAL column.
@@ -381,6 +384,31 @@ def _name(state: State | None) -> str:
     return "(new)" if state is None else state.value
 
 
+def workers_on_other_stores(app: Any, *, timeout: float = 1.0) -> list[Violation]:
+    """Ask every live worker on ``app``'s broker which store it uses (remote control,
+    answered within ``timeout``); one ``worker_on_other_store`` violation per worker
+    that runs one of ``app``'s leased tasks and whose incarnation is not in this
+    process's store.
+
+    Raises:
+        OSError, kombu.exceptions.OperationalError: the broker cannot be reached.
+    """
+    from ._stores import leased_tasks, on_other_stores, worker_stores
+
+    store = _store_of(app)
+    answers = worker_stores(app, timeout)
+    known = {w.id for w in store.workers()}
+    return [
+        Violation(
+            "worker_on_other_store",
+            None,
+            f"worker {node} (host {a.get('host')}, pid {a.get('pid')}) uses the store "
+            f"{a.get('store')}, not {store.url}",
+        )
+        for node, a in on_other_stores(answers, known, leased_tasks(app))
+    ]
+
+
 def summarize(violations: Sequence[Violation]) -> dict[str, int]:
     """Violations counted by kind (for reports)."""
     counts: dict[str, int] = defaultdict(int)
@@ -389,4 +417,4 @@ def summarize(violations: Sequence[Violation]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-__all__ = ["KINDS", "Violation", "check", "summarize"]
+__all__ = ["KINDS", "Violation", "check", "summarize", "workers_on_other_stores"]

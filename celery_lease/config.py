@@ -10,9 +10,40 @@ import dataclasses
 import os
 from typing import Any
 
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
 from .exceptions import ConfigurationError
 
+#: The store when ``lease_database_url`` is not set: a SQLite file in the directory the
+#: process was started in (as Celery's own ``celerybeat-schedule``), resolved to an
+#: absolute path once, when the settings are read (see :func:`resolve_database_url`).
 DEFAULT_DATABASE_URL = "sqlite:///celery-lease.sqlite3"
+
+
+def resolve_database_url(url: str) -> str:
+    """``url`` with a relative SQLite path made absolute against the current directory.
+
+    Resolved once, when the settings are read: a process that changes directory later
+    (a daemonized worker does) keeps the file it started with, and the absolute path is
+    what the worker prints and what ``celery lease check`` compares. Other URLs, and
+    URLs that do not parse (reported when the store is created), are returned as given.
+    """
+    if not url.startswith("sqlite"):
+        return url
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return url
+    database = parsed.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return url
+    path = os.path.expanduser(database)
+    if os.path.isabs(path) and path == database:
+        return url
+    return parsed.set(database=os.path.abspath(path)).render_as_string(hide_password=False)
+
+
 #: Default ``lease_retention``: finished rows are kept a week.
 DEFAULT_RETENTION = 7 * 86400.0
 
@@ -21,7 +52,8 @@ DEFAULT_RETENTION = 7 * 86400.0
 class LeaseConfig:
     """Validated settings of one Celery app (seconds are floats; fractions allowed)."""
 
-    #: SQLAlchemy URL of the store. Default: a SQLite file in the working directory.
+    #: SQLAlchemy URL of the store. Default: ``celery-lease.sqlite3`` in the directory the
+    #: process started in; a relative SQLite path is made absolute once, at read time.
     database_url: str = DEFAULT_DATABASE_URL
     #: Prefix of every table name (lets several apps share one database).
     table_prefix: str = "lease_"
@@ -86,6 +118,7 @@ class LeaseConfig:
     result_backend_sync: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "database_url", resolve_database_url(self.database_url))
         positive = {
             "lease_ttl": self.ttl,
             "lease_heartbeat_interval": self.heartbeat_interval,

@@ -7,10 +7,7 @@ Details are attributes, not text to parse.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .states import State
+from ._state import State
 
 
 class CeleryLeaseError(Exception):
@@ -36,6 +33,18 @@ class NotSerializable(CeleryLeaseError, TypeError):
     def __init__(self, what: str, error: Exception) -> None:
         self.what = what
         super().__init__(f"{what} cannot be stored as JSON: {error}")
+
+
+class DuplicateStep(CeleryLeaseError, ValueError):
+    """A step name was used twice in one run of a task."""
+
+    def __init__(self, task_id: str, name: str) -> None:
+        self.task_id = task_id
+        self.name = name
+        super().__init__(
+            f"step {name!r} used twice in one run of task {task_id}: "
+            "give each call a distinct name (e.g. f'send:{user_id}')"
+        )
 
 
 class InvalidSubmission(CeleryLeaseError):
@@ -134,6 +143,22 @@ class TaskNotFound(LeaseError):
 
     def __init__(self, task_id: str) -> None:
         super().__init__(task_id, None, f"no leased task with id {task_id!r}")
+
+
+class TaskFailed(CeleryLeaseError):
+    """What the result backend holds for a task whose row ended FAILED without its own
+    exception (an operator's ``fail``): ``AsyncResult.get()`` raises it."""
+
+    def __init__(self, task_id: str, reason: str | None = None, actor: str | None = None) -> None:
+        self.task_id = task_id
+        self.reason = reason
+        self.actor = actor
+        # the arguments, not the text: a result backend rebuilds it as TaskFailed(*args)
+        super().__init__(task_id, reason, actor)
+
+    def __str__(self) -> str:
+        by = f" by {self.actor}" if self.actor else ""
+        return f"task {self.task_id} failed{by}" + (f": {self.reason}" if self.reason else "")
 
 
 class TaskCancelled(CeleryLeaseError):

@@ -86,15 +86,31 @@ class TaskHealth:
         return out
 
 
-def task_health(store: Store, window: float, sample: int = DURATION_SAMPLE) -> list[TaskHealth]:
-    """Health of every task name with a run in the window or a PENDING row, by name."""
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What one read of the window gives: per task name, and over all names."""
+
+    tasks: list[TaskHealth]
+    #: Tasks finished within the window, per final state (all names).
+    finished: dict[State, int]
+    #: The sampled run durations (all names, most recent first).
+    durations: list[float]
+
+
+def snapshot(store: Store, window: float, sample: int = DURATION_SAMPLE) -> Snapshot:
+    """Read the window once: finished counts by name and state, the most recent
+    ``sample`` run durations, the backlog by name."""
     counts: dict[str, dict[State, int]] = defaultdict(lambda: defaultdict(int))
+    totals: dict[State, int] = dict.fromkeys((State.SUCCEEDED, State.FAILED, State.CANCELLED), 0)
     for f in store.finished_by_name(window):
         counts[f.name][f.state] += f.count
+        totals[f.state] += f.count
     durations: dict[str, list[float]] = defaultdict(list)
     limits: dict[str, tuple[float | None, float]] = {}
+    every: list[float] = []
     for r in store.recent_runtimes(window, sample):
         durations[r.name].append(r.seconds)
+        every.append(r.seconds)
         limits.setdefault(r.name, (r.max_runtime, r.lease_ttl))  # most recent first
     backlog = {b.name: b for b in store.backlog()}
     out = []
@@ -124,14 +140,21 @@ def task_health(store: Store, window: float, sample: int = DURATION_SAMPLE) -> l
                 oldest_pending_age=pending.oldest_age if pending else None,
             )
         )
-    return out
+    return Snapshot(out, totals, every)
+
+
+def task_health(store: Store, window: float, sample: int = DURATION_SAMPLE) -> list[TaskHealth]:
+    """Health of every task name with a run in the window or a PENDING row, by name."""
+    return snapshot(store, window, sample).tasks
 
 
 __all__ = [
     "COUNT_CAP",
     "DURATION_SAMPLE",
+    "Snapshot",
     "TaskHealth",
     "percentile",
+    "snapshot",
     "state_counts",
     "task_health",
 ]

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._runtime import Incarnation
+from ._incarnation import Incarnation
 from .config import LeaseConfig
 from .exceptions import StoreError
 from .store import Store

@@ -23,7 +23,9 @@ def after_timeout(
     ``recoveries`` already counts the expiry being decided.
     """
     if inflight_step is not None:
-        return State.WAIT_MANUAL, f"outcome of step {inflight_step!r} unknown"
+        return State.WAIT_MANUAL, (
+            f"outcome of step {inflight_step!r} unknown: it started, and its end was never recorded"
+        )
     if cancel_requested:
         return State.CANCELLED, "cancel requested and the execution stopped"
     if on_timeout == "manual":
@@ -31,14 +33,16 @@ def after_timeout(
     if recoveries > max_recoveries:
         return (
             State.WAIT_MANUAL,
-            f"poison task: lease expired {recoveries} times (max_recoveries={max_recoveries})",
+            f"poison task: lease expired {recoveries} times, more than max_recoveries "
+            f"({max_recoveries}) allows",
         )
     if max_age is not None and age > max_age:
         return (
             State.WAIT_MANUAL,
-            f"too old to recover automatically ({age:.0f} s > max age {max_age:.0f} s)",
+            f"too old to recover automatically: submitted {age:.0f} s ago, over the max age "
+            f"of {max_age:.0f} s",
         )
-    return State.RETRY_WAIT, "lease expired: safe to retry"
+    return State.RETRY_WAIT, "lease expired: safe to retry, no step's outcome is unknown"
 
 
 def retry_delay(

@@ -8,20 +8,17 @@ embedded in every worker's main process (behind a database lock), and from
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import socket
 from collections.abc import Sequence
-from typing import Any
 
 from celery import Celery, current_app, shared_task
-from kombu.exceptions import OperationalError as KombuOperationalError
 
+from . import _publisher
 from ._crashpoints import crash_point
 from ._runtime import runtime
 from .states import State
-from .store import Expiry, Publishable, Store
-from .store._retention import REPUBLISHED
+from .store import REPUBLISHED, Expiry, Publishable, Store
 
 logger = logging.getLogger("celery_lease.reaper")
 
@@ -123,42 +120,7 @@ class Reaper:
 
     def publish(self, rows: Sequence[Publishable]) -> tuple[int, int]:
         """Publish PENDING rows' messages; rows left unpublished are retried after the grace."""
-        sent: list[str] = []
-        failed = 0
-        for row in rows:
-            if row.args is None:
-                logger.error(
-                    "task %s[%s]: arguments were not stored, cannot publish; "
-                    "it needs a person (`celery lease show %s`)",
-                    row.name,
-                    row.id,
-                    row.id,
-                )
-                failed += 1
-                continue
-            options: dict[str, Any] = json.loads(row.options) if row.options else {}
-            try:
-                self.app.send_task(
-                    row.name,
-                    args=json.loads(row.args),
-                    kwargs=json.loads(row.kwargs) if row.kwargs else {},
-                    task_id=row.id,
-                    retries=row.retries,
-                    countdown=row.countdown,
-                    **options,
-                )
-            except (KombuOperationalError, ConnectionError, OSError) as error:
-                logger.warning(
-                    "reaper: broker unavailable, %d rows left to publish later: %s",
-                    len(rows) - len(sent),
-                    error,
-                )
-                failed += len(rows) - len(sent)
-                break
-            sent.append(row.id)
-        if sent:
-            self.store.mark_published(sent)
-        return len(sent), failed
+        return _publisher.publish(self.app, self.store, rows)
 
 
 def reap(app: Celery, actor: str | None = None) -> ReapReport:

@@ -13,22 +13,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-
-class State(str, enum.Enum):
-    """Lifecycle state of a leased task (stored as its name)."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    RETRY_WAIT = "RETRY_WAIT"
-    TIMEOUT = "TIMEOUT"
-    WAIT_MANUAL = "WAIT_MANUAL"
-    CANCELLED = "CANCELLED"
-
-    def __str__(self) -> str:
-        return self.value
-
+from ._state import State
+from .exceptions import IllegalTransition
 
 #: States that never change again; a redelivered message for them is dropped.
 TERMINAL: frozenset[State] = frozenset({State.SUCCEEDED, State.CANCELLED})
@@ -184,6 +170,24 @@ def is_legal(from_state: State | None, to_state: State) -> bool:
 def check(from_state: State | None, to_state: State, task_id: str | None = None) -> None:
     """Raise :class:`~celery_lease.IllegalTransition` unless the table allows the change."""
     if not is_legal(from_state, to_state):
-        from .exceptions import IllegalTransition
-
         raise IllegalTransition(task_id, from_state, to_state)
+
+
+__all__ = [
+    "CANCELLABLE",
+    "CELERY_REPORTS",
+    "OPERATOR_ACTIONS",
+    "RETRYABLE",
+    "RULES",
+    "STEP_DONE",
+    "STEP_STARTED",
+    "TERMINAL",
+    "TRANSITIONS",
+    "Actor",
+    "Rule",
+    "State",
+    "action_sources",
+    "check",
+    "is_legal",
+    "sources",
+]

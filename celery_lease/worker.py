@@ -14,72 +14,29 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from celery import Celery, bootsteps, signals
-from celery.exceptions import Terminated, WorkerLostError
+from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
+from celery.worker.state import task_ready
 
-from . import config as _config
-from ._runtime import Incarnation, Runtime, runtime
+from . import _stores  # noqa: F401  (registers the lease_store remote-control command)
+from ._execution import StoreDownDuringTask
+from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
 from .heartbeat import Heartbeat, renewal_config
+from .pause import QueueWatcher, consumer_controls
 from .reaper import Reaper
 from .store import Store
 
 logger = logging.getLogger("celery_lease.worker")
 
-_install_lock = threading.Lock()
-BEAT_ENTRY = "celery-lease-reap"
-
-
-def install(app: Celery) -> Runtime:
-    """Hook celery-lease into ``app`` (idempotent).
-
-    Called automatically when a ``LeasedTask`` binds to the app; call it yourself
-    only to install before any leased task is defined. Adds the worker bootstep,
-    the beat entry for the reaper (``lease_beat_reaper``) and the signal handlers.
-    """
-    rt = runtime(app)
-    with _install_lock:
-        if rt.installed:
-            return rt
-        rt.installed = True
-    app.steps["worker"].add(LeaseStep)
-    if getattr(app, "configured", False):
-        _add_beat_entry(app)
-    else:
-        app.on_after_configure.connect(_on_configured, weak=False)
-    return rt
-
-
-def _on_configured(sender: Celery, **kwargs: Any) -> None:
-    if runtime(sender).installed:
-        _add_beat_entry(sender)
-
-
-def _add_beat_entry(app: Celery) -> None:
-    cfg = _config.from_mapping(app.conf)
-    if cfg.beat_reaper and BEAT_ENTRY not in (app.conf.beat_schedule or {}):
-        app.add_periodic_task(
-            cfg.reaper_interval,
-            app.signature("celery_lease.reap"),
-            name=BEAT_ENTRY,
-            expires=max(cfg.reaper_interval, 1.0),
-        )
-
-
-def _shortest_ttl(rt: Runtime) -> float:
-    """The shortest lease TTL among the app's leased tasks: after that long without a
-    heartbeat some lease may already have been taken over, so the worker self-fences."""
-    from .task import LeasedTask
-
-    ttls = [rt.config.ttl]
-    for task in rt.app.tasks.values():
-        ttl = getattr(task, "lease_ttl", None)
-        if isinstance(task, LeasedTask) and ttl is not None:
-            ttls.append(float(ttl))
-    return min(ttls)
+#: The service of each app's worker main process (none in its pool children's use).
+_services: weakref.WeakKeyDictionary[Celery, WorkerService] = weakref.WeakKeyDictionary()
+#: Serializes a service started on first use in an in-process worker (its threads).
+_start_lock = threading.Lock()
 
 
 def _pid_gone(pid: int) -> bool:
@@ -159,7 +116,7 @@ class WorkerService:
         cfg = rt.config
         self.store = store = rt.store
         inc = Incarnation(uuid.uuid4().hex, nodename, socket.gethostname(), os.getpid())
-        ttl = _shortest_ttl(rt)
+        ttl = rt.shortest_ttl()
         store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid, supersede=False)
         try:
             predecessors = _dead_predecessors(store, inc, ttl, cfg.heartbeat_interval)
@@ -343,6 +300,25 @@ def _start_service(rt: Runtime, nodename: str) -> WorkerService:
             pause = min(pause * 2, 10.0)
 
 
+def start_in_process(rt: Runtime, nodename: str | None) -> Incarnation | None:
+    """Start the worker service inside a worker whose bootstep never ran: an in-process
+    worker (solo or threads pool) started before a leased task was bound to its app,
+    such as ``celery.contrib.pytest``'s ``celery_worker`` with the task defined in the
+    test. ``None`` in a prefork child or outside a worker."""
+    from billiard.process import current_process
+
+    # a prefork pool child is a billiard Process; the solo and threads pools run in
+    # the worker's main process, which billiard calls "MainProcess"
+    if not nodename or current_process().name != "MainProcess":
+        return None
+    with _start_lock:
+        if rt.app not in _services:
+            service = _start_service(rt, nodename)
+            service.start()
+            _services[rt.app] = service
+    return rt.incarnation
+
+
 class LeaseStep(bootsteps.StartStopStep):
     """Worker bootstep: register the incarnation before the pool forks, then start the
     heartbeat and embedded reaper threads. Shutdown is handled on ``worker_shutdown``,
@@ -351,26 +327,55 @@ class LeaseStep(bootsteps.StartStopStep):
     label = "celery-lease"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
-        rt = runtime(worker.app)
         try:
-            rt.service = _start_service(rt, worker.hostname)
+            service = _start_service(runtime(worker.app), worker.hostname)
         except CeleryLeaseError as error:
             # refuse to start rather than run tasks without leases
             logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)
             raise SystemExit(78) from error  # EX_CONFIG
-        self.service = rt.service
+        self.service = _services[worker.app] = service
+        self.watcher = _watch_paused_queues(runtime(worker.app), worker)
 
     def start(self, worker: Any) -> None:
         self.service.start()
+        self.watcher.start(*consumer_controls(worker))
+
+    def stop(self, worker: Any) -> None:
+        self.watcher.stop()
 
     def terminate(self, worker: Any) -> None:
         """Cold shutdown. Celery sends no ``worker_shutdown`` then (only a warm shutdown
         does), so record it here: the incarnation is marked stopped and the leases it
         holds expire at once, before the pool kills the children running them."""
-        rt = runtime(worker.app)
-        if rt.service is not None and rt.incarnation is not None:
-            rt.service.shutdown("cold shutdown")
-            rt.service = None
+        _shutdown(worker.app, "cold shutdown")
+
+
+def _shutdown(app: Celery, reason: str) -> None:
+    service = _services.pop(app, None)
+    if service is not None and runtime(app).incarnation is not None:
+        service.shutdown(reason)
+
+
+def _watch_paused_queues(rt: Runtime, worker: Any) -> QueueWatcher:
+    """Before the consumer starts: leave out the queues paused now (a worker started
+    during a pause does not consume them), and follow pauses from then on."""
+    queues = worker.app.amqp.queues
+    names = list(queues.consume_from)
+    watcher = QueueWatcher(rt.store, rt.config.heartbeat_interval, names)
+    try:
+        paused = watcher.paused_now()
+    except StoreError as error:
+        logger.warning("celery-lease: paused queues not read at start (%s)", error)
+        paused = set()
+    if paused:
+        queues.deselect(sorted(paused))
+        logger.warning(
+            "celery-lease: worker %s starts without the paused queues %s",
+            worker.hostname,
+            ", ".join(sorted(paused)),
+        )
+    watcher.paused = paused
+    return watcher
 
 
 @signals.worker_shutdown.connect(weak=False)
@@ -378,10 +383,7 @@ def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None:
         return
-    rt = runtime(app)
-    if rt.service is not None and rt.incarnation is not None:
-        rt.service.shutdown("shutdown")
-        rt.service = None
+    _shutdown(app, "shutdown")
 
 
 @signals.task_revoked.connect(weak=False)
@@ -395,26 +397,47 @@ def _on_task_revoked(
     task = sender
     if request is None or not getattr(task, "Request", "").startswith("celery_lease."):
         return
-    rt = runtime(task.app)
-    if rt.service is None:
+    service = _services.get(task.app)
+    if service is None:
         return
     if terminated:
         # recorded as a cancel request before the child's death is handled as a lost
         # child (same queue, in order): the expiry then ends CANCELLED, not a retry
         reason = "revoked with terminate"
     elif expired:
-        reason = "expired before it ran (expires option)"
+        reason = "expired before it ran (its expires option passed)"
     else:
         reason = "revoked before it ran"
-    rt.service.revoked(request.id, reason)
+    service.revoked(request.id, reason)
 
 
 class LeasedRequest(Request):
     """Request seen by the worker's main process: expires the lease at once when the
-    pool child running it dies or hits its hard time limit (no TTL wait)."""
+    pool child running it dies or hits its hard time limit (no TTL wait).
+
+    Those deaths are the lease's to decide (retry, or a person), so Celery's own
+    handling, which would report FAILURE (result backend, ``task-failed`` event,
+    ``link_error``, a chord's error) for a task that then runs again, is skipped:
+    callers see the lease's state until the row's final one.
+    """
 
     def _service(self) -> WorkerService | None:
-        return runtime(self.task.app).service
+        return _services.get(self.task.app)
+
+    def _lease_decides(self, reason: str, *, worker_lost: bool = False) -> None:
+        """Hand a lost execution to the lease: the lease is expired at once by the main
+        process, which then re-publishes the row if the policy retries it. The message
+        is acknowledged, or requeued as Celery would (``reject_on_worker_lost``): a
+        redelivery is dropped at claim unless the row is waiting for it."""
+        task_ready(self)
+        if self.task.acks_late:
+            if worker_lost and self.task.reject_on_worker_lost:
+                self.reject(requeue=True)
+            else:
+                self.acknowledge()
+        service = self._service()
+        if service is not None:
+            service.child_lost(self.id, reason)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -422,30 +445,56 @@ class LeasedRequest(Request):
         exc = exc_info.exception
         exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback wrapper
         lost = None
-        if isinstance(exc, WorkerLostError):
-            lost = f"pool child lost: {exc}"
-        elif isinstance(exc, (SystemExit, KeyboardInterrupt, Terminated)):
-            lost = f"pool child terminated: {exc!r}"
-        elif isinstance(exc, StoreError):
-            # the execution stopped on a database error: its lease must not outlive it
-            # (the heartbeat is alive), and a claim that failed left its message
-            # consumed: expire / re-publish at once, retried until the database answers
-            lost = f"lease store unavailable while the task ran: {exc}"
-        try:
-            return super().on_failure(
-                exc_info, send_failed_event=send_failed_event, return_ok=return_ok
-            )
-        finally:
-            # after Celery wrote FAILURE to the result backend and sent task-failed: the
-            # lease's decision (TIMEOUT, then RETRY_WAIT or WAIT_MANUAL) must land after it
-            service = self._service()
-            if lost is not None and service is not None:
-                service.child_lost(self.id, lost)
+        if self._service() is None:
+            pass  # not a leased worker (the bootstep is not running): Celery decides
+        elif isinstance(exc, WorkerLostError):
+            lost = f"pool child lost while running the task: {exc}"
+        elif isinstance(exc, TimeLimitExceeded):
+            lost = f"hard time limit exceeded: {exc}"
+        elif isinstance(exc, (SystemExit, KeyboardInterrupt)) and not (
+            getattr(self, "_already_cancelled", False) or getattr(self, "_already_revoked", False)
+        ):
+            lost = f"pool child terminated while running the task: {exc!r}"
+        else:
+            why = None
+            if isinstance(exc, Terminated):
+                # revoked with terminate: Celery reports REVOKED; the cancel request was
+                # recorded first (same queue, in order), so the expiry ends CANCELLED
+                why = f"pool child terminated while running the task: {exc!r}"
+            elif isinstance(exc, (StoreError, StoreDownDuringTask)) or isinstance(
+                getattr(exc, "reason", None), StoreError
+            ):
+                # the execution stopped on a database error: its lease must not outlive
+                # it (the heartbeat is alive), and a claim that failed left its message
+                # consumed: expire / re-publish at once, retried until the database answers
+                why = f"lease store unavailable while the task ran: {getattr(exc, 'reason', exc)}"
+            if why is not None:
+                service = self._service()
+                try:
+                    return super().on_failure(
+                        exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+                    )
+                finally:
+                    if service is not None:
+                        service.child_lost(self.id, why)
+        if lost is not None:
+            return self._lease_decides(lost, worker_lost=not isinstance(exc, TimeLimitExceeded))
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
-        try:
+        if soft or self._service() is None:
             return super().on_timeout(soft, timeout)
-        finally:
-            service = self._service()
-            if not soft and service is not None:  # after Celery's FAILURE, as above
-                service.child_lost(self.id, f"hard time limit ({timeout} s) exceeded")
+        logger.error(
+            "task %s[%s]: hard time limit (%s s) exceeded; the lease decides what happens next",
+            self.name,
+            self.id,
+            timeout,
+        )
+        return self._lease_decides(
+            f"hard time limit of {timeout} s exceeded: the pool child was killed"
+        )
+
+
+__all__ = ["BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install"]

@@ -30,6 +30,7 @@ import dataclasses
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,77 @@ TEST_TIMINGS: dict[str, Any] = {
     "republish_after": 2.0,
 }
 
+#: The testing kit's plugin loads through its pytest11 entry point; an installation made
+#: before that entry point existed (pip install -e . not run again) loads it from here.
+KIT_PLUGIN = "celery_lease.testing.plugin"
+if not any(ep.name == "celery_lease" for ep in entry_points(group="pytest11")):
+    pytest_plugins = [KIT_PLUGIN]
+
 # shared CI machines are slow now and then: no per-example deadline
 hypothesis_settings.register_profile("celery_lease", deadline=None, max_examples=100)
 hypothesis_settings.load_profile("celery_lease")
+
+
+# -- nothing left behind in the checkout ------------------------------------------------
+
+#: Left by the tools themselves, not by tests.
+_TOOL_LEFTOVERS = ("__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache")
+_LEFT_BEHIND = pytest.StashKey[set[str]]()
+
+
+def _untracked_files() -> set[str] | None:
+    """Untracked paths of the checkout, ignored ones too (``None``: not a git checkout)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    out: set[str] = set()
+    for extra in ([], ["--ignored"]):
+        try:
+            proc = subprocess.run(
+                [
+                    "git",
+                    "-C",
+                    str(root),
+                    "ls-files",
+                    "--others",
+                    "--exclude-standard",
+                    "--directory",
+                    *extra,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if proc.returncode != 0:
+            return None
+        out.update(proc.stdout.splitlines())
+    return {
+        p
+        for p in out
+        if not p.startswith(".venv") and not any(part in _TOOL_LEFTOVERS for part in p.split("/"))
+    }
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    before = _untracked_files()
+    if before is not None:
+        session.stash[_LEFT_BEHIND] = before
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A test run leaves no file in the checkout (a store in the current directory, a
+    log, a build): fail the run if one appeared."""
+    before = session.stash.get(_LEFT_BEHIND, None)
+    after = _untracked_files() if before is not None else None
+    if before is None or after is None:
+        return
+    new = sorted(after - before)
+    if new:
+        print("\nERROR: the test run left files in the checkout: " + ", ".join(new))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # -- teardown in a fixed order ------------------------------------------------------------

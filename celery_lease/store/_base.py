@@ -10,12 +10,16 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import (
+    CTE,
+    BindParameter,
     ColumnElement,
     Connection,
     Executable,
+    Insert,
     Integer,
     Row,
     String,
+    Table,
     Text,
     bindparam,
     insert,
@@ -24,12 +28,13 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql.dml import ReturningUpdate
 
 from .. import states
-from .._redact import safe_url
 from ..config import LeaseConfig
 from ..states import State
 from . import _engine
+from ._redact import safe_url
 from ._sql import db_now
 from ._types import Lease
 from .schema import Tables, build
@@ -61,7 +66,7 @@ _REASON = bindparam("b_reason", type_=Text)
 _ACTOR = bindparam("b_actor", type_=String)
 
 
-def state_is(tasks: Any, state: State) -> ColumnElement[bool]:
+def state_is(tasks: Table, state: State) -> ColumnElement[bool]:
     """``tasks.state = state``, written so that no index on ``state`` can drive the
     scan. Every transition names its rows by primary key; on PostgreSQL a prepared
     statement's generic plan (or any plan made from statistics taken while few rows
@@ -71,7 +76,7 @@ def state_is(tasks: Any, state: State) -> ColumnElement[bool]:
     return column.concat("") == state.value
 
 
-def bind(name: str, type_: Any, values: dict[str, Any] | None = None) -> Any:
+def bind(name: str, type_: Any, values: dict[str, Any] | None = None) -> BindParameter[Any]:
     """Bind parameter ``name``, holding its value when ``values`` is given (a statement
     built for one call) and filled at execution otherwise (a statement built once)."""
     if values is None:
@@ -181,7 +186,8 @@ class StoreBase:
             attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
         )
 
-    def _insert(self, table: Any) -> Any:
+    def _insert(self, table: Table) -> postgresql.Insert | sqlite.Insert:
+        """INSERT with the dialect's ``ON CONFLICT`` clauses."""
         return (postgresql.insert if self.is_pg else sqlite.insert)(table)
 
     def _prepared(self, key: Hashable, build: Callable[[], T]) -> T:
@@ -246,7 +252,7 @@ class StoreBase:
         to: State,
         values: dict[str, Any] | None = None,
         returning: Iterable[Any] = (),
-    ) -> Any:
+    ) -> ReturningUpdate[Any]:
         """The conditional UPDATE of a transition (bind parameter ``b_reason``)."""
         states.check(frm, to)
         t = self.t.tasks
@@ -257,7 +263,7 @@ class StoreBase:
             .returning(t.c.id, t.c.attempt, t.c.name, *returning)
         )
 
-    def _move_ctes(self, stmt: Any, frm: State, to: State) -> tuple[Any, Any]:
+    def _move_ctes(self, stmt: ReturningUpdate[Any], frm: State, to: State) -> tuple[CTE, CTE]:
         """PostgreSQL: the UPDATE ``stmt`` as CTE ``moved`` and its audit insert as CTE
         ``audit`` (a statement that selects from ``moved`` adds ``audit`` with
         ``add_cte``; data-modifying CTEs must stay at the top level)."""
@@ -376,7 +382,7 @@ class StoreBase:
         }
         self._execute(conn, self._prepared("audit", self._audit_insert), params, self._audit_insert)
 
-    def _audit_insert(self, values: dict[str, Any] | None = None) -> Any:
+    def _audit_insert(self, values: dict[str, Any] | None = None) -> Insert:
         return insert(self.t.transitions).values(
             task_id=bind("b_task_id", String, values),
             from_state=bind("b_from", String, values),

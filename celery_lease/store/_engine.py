@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.engine import URL, make_url
 
-from .._redact import redact, safe_url
 from ..config import LeaseConfig
 from ..exceptions import ConfigurationError, MissingDependencyError, StoreError, StoreUnavailable
 from ._deadline import WATCHDOG
+from ._redact import redact, safe_url
 
 T = TypeVar("T")
 

@@ -42,73 +42,89 @@ class OperatorMixin(ReadsMixin):
         Raises :class:`TaskNotFound` or :class:`IllegalTransition` and changes nothing
         when the table (or ``allowed``) does not permit it.
         """
-        t, s = self.t.tasks, self.t.steps
-
-        def op(conn: Connection, _: bool) -> State:
-            frm = self._lock_state(conn, task_id)
-            permitted = states.sources(to, Actor.OPERATOR) if allowed is None else allowed
-            if frm not in permitted or not states.is_legal(frm, to):
-                from ..exceptions import IllegalTransition
-
-                raise IllegalTransition(task_id, frm, to)
-            # the token goes: a still-running owner (WAIT_MANUAL over max_runtime) is fenced off
-            values: dict[str, Any] = {"token": None}
-            if to is State.PENDING:
-                values.update(
-                    publish_count=0,
-                    published_at=None,
-                    next_retry_at=None,
-                    finished_at=None,
-                    eta=None,
-                    cancel_requested_at=None,
-                    cancel_actor=None,
-                    cancel_reason=None,
-                )
-                # a step whose outcome was unknown is re-run: the person decided so
-                conn.execute(delete(s).where(s.c.task_id == task_id, s.c.state != STEP_DONE))
-            else:
-                values["finished_at"] = db_now()
-            if to is State.FAILED:
-                values["error"] = reason
-            if to is State.SUCCEEDED:
-                values["result"] = result
-            self._move(
-                conn, [t.c.id == task_id], frm, to, reason=reason, actor=actor, values=values
+        return self._tx(
+            lambda conn, _: self._operator_move_in(
+                conn, task_id, to, actor=actor, reason=reason, result=result, allowed=allowed
             )
-            return frm
+        )
 
-        return self._tx(op)
+    def _operator_move_in(
+        self,
+        conn: Connection,
+        task_id: str,
+        to: State,
+        *,
+        actor: str,
+        reason: str,
+        result: str | None = None,
+        allowed: Sequence[State] | None = None,
+    ) -> State:
+        """:meth:`operator_move` inside the caller's transaction (bulk actions)."""
+        t, s = self.t.tasks, self.t.steps
+        frm = self._lock_state(conn, task_id)
+        permitted = states.sources(to, Actor.OPERATOR) if allowed is None else allowed
+        if frm not in permitted or not states.is_legal(frm, to):
+            from ..exceptions import IllegalTransition
+
+            raise IllegalTransition(task_id, frm, to)
+        # the token goes: a still-running owner (WAIT_MANUAL over max_runtime) is fenced off
+        values: dict[str, Any] = {"token": None}
+        if to is State.PENDING:
+            values.update(
+                publish_count=0,
+                published_at=None,
+                next_retry_at=None,
+                finished_at=None,
+                eta=None,
+                cancel_requested_at=None,
+                cancel_actor=None,
+                cancel_reason=None,
+            )
+            # a step whose outcome was unknown is re-run: the person decided so
+            conn.execute(delete(s).where(s.c.task_id == task_id, s.c.state != STEP_DONE))
+        else:
+            values["finished_at"] = db_now()
+        if to is State.FAILED:
+            values["error"] = reason
+        if to is State.SUCCEEDED:
+            values["result"] = result
+        self._move(conn, [t.c.id == task_id], frm, to, reason=reason, actor=actor, values=values)
+        return frm
 
     def request_cancel(self, task_id: str, *, actor: str, reason: str) -> State:
         """Cancel a task: at once unless RUNNING, where the request waits for the task
         to reach a step boundary. Returns the state found."""
+        return self._tx(
+            lambda conn, _: self._request_cancel_in(conn, task_id, actor=actor, reason=reason)
+        )
+
+    def _request_cancel_in(
+        self, conn: Connection, task_id: str, *, actor: str, reason: str
+    ) -> State:
+        """:meth:`request_cancel` inside the caller's transaction (bulk actions)."""
         t = self.t.tasks
-
-        def op(conn: Connection, _: bool) -> State:
-            frm = self._lock_state(conn, task_id)
-            if frm is State.RUNNING:
-                conn.execute(
-                    update(t)
-                    .where(t.c.id == task_id, t.c.state == State.RUNNING.value)
-                    .values(cancel_requested_at=db_now(), cancel_actor=actor, cancel_reason=reason)
-                )
-                return frm
-            if not states.is_legal(frm, State.CANCELLED):
-                from ..exceptions import IllegalTransition
-
-                raise IllegalTransition(task_id, frm, State.CANCELLED)
-            self._move(
-                conn,
-                [t.c.id == task_id],
-                frm,
-                State.CANCELLED,
-                reason=reason,
-                actor=actor,
-                values={"finished_at": db_now(), "token": None},
+        frm = self._lock_state(conn, task_id)
+        if frm is State.RUNNING:
+            conn.execute(
+                update(t)
+                .where(t.c.id == task_id, t.c.state == State.RUNNING.value)
+                .values(cancel_requested_at=db_now(), cancel_actor=actor, cancel_reason=reason)
             )
             return frm
+        if not states.is_legal(frm, State.CANCELLED):
+            from ..exceptions import IllegalTransition
 
-        return self._tx(op)
+            raise IllegalTransition(task_id, frm, State.CANCELLED)
+        self._move(
+            conn,
+            [t.c.id == task_id],
+            frm,
+            State.CANCELLED,
+            reason=reason,
+            actor=actor,
+            values={"finished_at": db_now(), "token": None},
+        )
+        return frm
 
     def purge(self, *, older_than: float, states_: Sequence[State], batch: int = 1000) -> int:
         """Delete one batch of rows in ``states_`` finished more than ``older_than`` seconds

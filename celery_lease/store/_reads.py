@@ -16,6 +16,7 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Row,
+    Select,
     and_,
     case,
     func,
@@ -62,7 +63,7 @@ class TransitionCounts:
 class ReadsMixin(StoreBase):
     # -- records ----------------------------------------------------------------------
 
-    def _record_query(self) -> Any:
+    def _record_query(self) -> Select[Any]:
         t, w = self.t.tasks, self.t.workers
         return select(t, w.c.heartbeat_at.label("owner_heartbeat_at"), w.c.nodename).select_from(
             t.outerjoin(w, w.c.id == t.c.owner)
@@ -105,6 +106,7 @@ class ReadsMixin(StoreBase):
             cancel_requested_at=m["cancel_requested_at"],
             cancel_actor=m["cancel_actor"],
             cancel_reason=m["cancel_reason"],
+            message=m["message"],
         )
 
     def get(self, task_id: str) -> TaskRecord | None:

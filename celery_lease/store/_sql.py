@@ -9,7 +9,7 @@ Python sees timezone-aware UTC datetimes on both. Every "now" in a decision is
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import DateTime, Float
 from sqlalchemy.engine import Dialect
@@ -44,7 +44,8 @@ class DbTime(TypeDecorator[datetime]):
             return datetime.fromtimestamp(float(value), timezone.utc)
         if isinstance(value, datetime) and value.tzinfo is None:
             return value.replace(tzinfo=timezone.utc)
-        return value  # type: ignore[no-any-return]
+        # the driver's value for a timestamptz column: an aware datetime
+        return cast("datetime | None", value)
 
 
 class db_now(FunctionElement[datetime]):

@@ -41,12 +41,15 @@ from ..exceptions import SchemaOutOfDate
 from ..states import STEP_STARTED, Actor, State
 from . import migrations
 from ._base import StoreBase, TransitionEvent, bind, state_is
+from ._bulk import BulkMixin
 from ._health import HealthMixin
 from ._marks import PublishedMarks
 from ._operator import OperatorMixin
+from ._pauses import PausesMixin
 from ._retention import RetentionMixin
 from ._sql import after, db_now, greatest, seconds_between
 from ._steps import StepsMixin
+from ._submit_many import SubmitManyMixin
 from ._types import Claim, Expiry, Lease, NewTask, Publishable, Refusal
 from ._workers import WorkersMixin
 from .schema import SCHEMA_VERSION
@@ -59,6 +62,7 @@ _SUBMIT = (
     "args",
     "kwargs",
     "options",
+    "message",
     "lease_ttl",
     "max_runtime",
     "max_retries",
@@ -79,7 +83,17 @@ def _submit_params(new: NewTask) -> dict[str, Any]:
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
-class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin, StoreBase):
+class Store(
+    StepsMixin,
+    WorkersMixin,
+    BulkMixin,
+    OperatorMixin,
+    RetentionMixin,
+    HealthMixin,
+    PausesMixin,
+    SubmitManyMixin,
+    StoreBase,
+):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""
 
     def __init__(self, config: LeaseConfig) -> None:
@@ -349,7 +363,11 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
                 ).first()
                 if row is not None and row.state == State.PENDING.value and row[2]:
                     return Refusal(task_id, State.PENDING, "arrived before its ETA", early=True)
-                if row is None and adopt is not None:
+                if row is not None and row.state == State.PENDING.value:
+                    # its ETA came between the claim and the read (a retry is delivered
+                    # at its ETA, to the millisecond): claim it now
+                    rows = move(conn)
+                elif row is None and adopt is not None:
                     self._adopt(conn, adopt() if callable(adopt) else adopt)
                     adopted = True
                     rows = move(conn)  # an adopted row has no ETA: due at once
@@ -359,7 +377,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
                         t.c.id == task_id
                     )
                     rows = list(conn.execute(again))
-                else:
+                if not rows:
                     state = State(row.state) if row is not None else None
                     why = "no row for this message" if row is None else f"task is {state}"
                     return Refusal(task_id, state, why)
@@ -424,6 +442,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
                 args=new.args,
                 kwargs=new.kwargs,
                 options=new.options,
+                message=new.message,
                 lease_ttl=new.lease_ttl,
                 max_runtime=new.max_runtime,
                 max_retries=new.max_retries,
@@ -513,10 +532,37 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
         return where, values, ()
 
     def schedule_retry(
-        self, lease: Lease, delay: float, *, actor: str, reason: str, error: str | None
+        self,
+        lease: Lease,
+        delay: float,
+        *,
+        actor: str,
+        reason: str,
+        error: str | None,
+        message: str | None = None,
+        requeued: bool = False,
     ) -> bool:
-        """RUNNING -> RETRY_WAIT with ``next_retry_at = now + delay`` (database time), fenced."""
+        """RUNNING -> RETRY_WAIT -> PENDING, fenced, in one transaction: the retry is due
+        ``delay`` seconds from now (database time) and its message goes out at once.
+
+        ``message``: the retry's message as Celery built it (stored in the row, which is
+        its outbox: if it is never published, the reaper publishes it). ``requeued``:
+        the broker keeps the delivered message (a ``Reject(requeue=True)``), so the row
+        is recorded published. ``False``: the lease was lost; nothing was written."""
         t = self.t.tasks
+        retry_values: dict[str, Any] = {
+            "next_retry_at": after(db_now(), delay),
+            "retries": t.c.retries + 1,
+            "error": error,
+        }
+        due: dict[str, Any] = {
+            "eta": t.c.next_retry_at,
+            "next_retry_at": None,
+            "published_at": db_now() if requeued else None,
+            "publish_count": 0,
+        }
+        if message is not None:
+            due["message"] = message
 
         def op(conn: Connection, is_retry: bool) -> bool:
             rows = self._move(
@@ -526,22 +572,27 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
                 State.RETRY_WAIT,
                 reason=reason,
                 actor=actor,
-                values={
-                    "next_retry_at": after(db_now(), delay),
-                    "retries": t.c.retries + 1,
-                    "error": error,
-                },
+                values=retry_values,
             )
             if rows:
+                self._move(
+                    conn,
+                    [t.c.id == lease.task_id],
+                    State.RETRY_WAIT,
+                    State.PENDING,
+                    reason=f"retry {'requeued' if requeued else 'published'} by its worker",
+                    actor=actor,
+                    values=due,
+                )
                 return True
             if is_retry:
                 row = conn.execute(
                     select(t.c.state, t.c.token).where(t.c.id == lease.task_id)
                 ).first()
-                return row is not None and row.token == lease.token and row.state == "RETRY_WAIT"
+                return row is not None and row.token == lease.token and row.state == "PENDING"
             return False
 
-        return self._single_then(lambda conn, retry: op(conn, False) or None, op)
+        return self._tx(op)
 
     # -- lease expiry -----------------------------------------------------------------
 
@@ -718,6 +769,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
             t.c.options,
             t.c.retries,
             seconds_between(t.c.eta, db_now()).label("countdown"),
+            t.c.message,
         )
 
     @staticmethod
@@ -727,7 +779,14 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
             countdown = float(r.countdown) if r.countdown is not None and r.countdown > 0 else None
             out.append(
                 Publishable(
-                    str(r.id), r.name, r.args, r.kwargs, r.options, int(r.retries), countdown
+                    str(r.id),
+                    r.name,
+                    r.args,
+                    r.kwargs,
+                    r.options,
+                    int(r.retries),
+                    countdown,
+                    r.message,
                 )
             )
         return out
@@ -807,6 +866,7 @@ class Store(StepsMixin, WorkersMixin, OperatorMixin, RetentionMixin, HealthMixin
             q = (
                 select(t.c.id)
                 .where(t.c.state == State.PENDING.value, or_(never, lost))
+                .where(self.paused_names_clause())  # held until the pause ends
                 .limit(batch)
             )
             if self.is_pg:

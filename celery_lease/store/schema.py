@@ -26,7 +26,7 @@ from sqlalchemy import (
 from ._sql import DbTime
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 4
 
 #: The states retention deletes, written out as SQL so that a query naming them in the
 #: same words can use the partial index on ``finished_at`` whatever plan it gets.
@@ -47,6 +47,8 @@ class Tables:
     locks: Table
     version: Table
     counters: Table
+    pauses: Table
+    pause_log: Table
 
 
 def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
@@ -91,6 +93,10 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("cancel_requested_at", DbTime()),
         Column("cancel_actor", String(255)),
         Column("cancel_reason", Text),
+        # the message Celery built for the task (JSON: headers, properties, body):
+        # every publication sends it, so chains, callbacks and limits survive. Last, as
+        # the migration that added it left it
+        Column("message", Text),
         Index(f"{prefix}tasks_dedup_key", "dedup_key", unique=True),
         Index(f"{prefix}tasks_state_created", "state", "created_at"),
         Index(f"{prefix}tasks_name_state", "name", "state"),
@@ -113,10 +119,13 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
             postgresql_where=text("state = 'PENDING'"),
             sqlite_where=text("state = 'PENDING'"),
         ),
-        # retention and the health figures read finished rows by finish time only
+        # retention and the health figures read finished rows by finish time; name and
+        # state let the per-task counts of a window be read from the index alone
         Index(
             f"{prefix}tasks_finished",
             "finished_at",
+            "name",
+            "state",
             postgresql_where=text(FINISHED_SQL),
             sqlite_where=text(FINISHED_SQL),
         ),
@@ -189,4 +198,34 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("value", BigInteger().with_variant(Integer, "sqlite"), nullable=False),
         Column("updated_at", DbTime(), nullable=False),
     )
-    return Tables(md, tasks, transitions, steps, workers, locks, version, counters)
+    # durable pauses: a row per paused queue or task name, while it is paused
+    pauses = Table(
+        f"{prefix}pauses",
+        md,
+        Column("kind", String(8), primary_key=True),  # "queue" or "task"
+        Column("target", String(255), primary_key=True),
+        Column("actor", String(255), nullable=False),
+        Column("reason", Text, nullable=False),
+        Column("paused_at", DbTime(), nullable=False),
+    )
+    # every pause and resume, with who and why (the pauses' audit trail)
+    pause_log = Table(
+        f"{prefix}pause_log",
+        md,
+        Column(
+            "id",
+            BigInteger().with_variant(Integer, "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        Column("kind", String(8), nullable=False),
+        Column("target", String(255), nullable=False),
+        Column("action", String(8), nullable=False),  # "pause" or "resume"
+        Column("actor", String(255), nullable=False),
+        Column("reason", Text, nullable=False),
+        Column("at", DbTime(), nullable=False),
+        Index(f"{prefix}pause_log_target", "kind", "target", "id"),
+    )
+    return Tables(
+        md, tasks, transitions, steps, workers, locks, version, counters, pauses, pause_log
+    )

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ CREATE TABLE IF NOT EXISTS effects (
     key TEXT,
     payload TEXT,
     pid INTEGER NOT NULL,
+    at REAL NOT NULL,
     UNIQUE (name, key)
 );
 CREATE TABLE IF NOT EXISTS calls (
@@ -37,13 +39,15 @@ CREATE TABLE IF NOT EXISTS calls (
 
 @dataclasses.dataclass(frozen=True)
 class Effect:
-    """One real effect: its id, the name it was counted under, its key and payload."""
+    """One real effect: its id, the name it was counted under, its key and payload, the
+    process that performed it and when (``time.time()`` in that process)."""
 
     id: int
     name: str
     key: str | None
     payload: str | None
     pid: int
+    at: float
 
 
 class SideEffects:
@@ -112,8 +116,8 @@ class SideEffects:
                     effect_id, deduplicated = int(existing[0]), 1
                 else:
                     cur = conn.execute(
-                        "INSERT INTO effects (name, key, payload, pid) VALUES (?, ?, ?, ?)",
-                        (name, key, text, pid),
+                        "INSERT INTO effects (name, key, payload, pid, at) VALUES (?, ?, ?, ?, ?)",
+                        (name, key, text, pid, time.time()),
                     )
                     effect_id, deduplicated = int(cur.lastrowid or 0), 0
                 conn.execute(
@@ -143,14 +147,14 @@ class SideEffects:
 
     def effects(self, name: str | None = None) -> list[Effect]:
         """The real effects, oldest first."""
-        query = "SELECT id, name, key, payload, pid FROM effects"
+        query = "SELECT id, name, key, payload, pid, at FROM effects"
         params: tuple[Any, ...] = ()
         if name is not None:
             query += " WHERE name = ?"
             params = (name,)
         with self._connect() as conn:
             rows = conn.execute(query + " ORDER BY id", params).fetchall()
-        return [Effect(int(r[0]), r[1], r[2], r[3], int(r[4])) for r in rows]
+        return [Effect(int(r[0]), r[1], r[2], r[3], int(r[4]), float(r[5])) for r in rows]
 
     def _scalar(self, table: str, name: str | None) -> int:
         query = f"SELECT count(*) FROM {table}"

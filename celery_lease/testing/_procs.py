@@ -21,6 +21,9 @@ CONF_ENV = "CELERY_LEASE_TESTING_CONF"
 RUNNING_ENV = "CELERY_LEASE_TESTING_RUNNING"
 
 
+_HAS_PROC = Path("/proc/self/stat").exists()
+
+
 def _proc_stat(pid: int) -> tuple[str, int, int] | None:
     """(state, ppid, pgrp) of a process, or ``None`` when it is gone."""
     try:
@@ -34,6 +37,15 @@ def _proc_stat(pid: int) -> tuple[str, int, int] | None:
 
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
+    if not _HAS_PROC:
+        # without /proc (macOS): a zombie still counts as alive here
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
     stat = _proc_stat(pid)
     return stat is not None and stat[0] not in ("Z", "X")
 
@@ -85,6 +97,7 @@ class WorkerProcess:
         extra_args: more ``celery worker`` arguments.
         conf: ``app.conf`` settings applied in the worker (JSON values).
         pythonpath: more directories for ``PYTHONPATH``.
+        python: the interpreter (default: this one).
     """
 
     READY = re.compile(r" ready\.\s*$", re.MULTILINE)
@@ -104,8 +117,10 @@ class WorkerProcess:
         extra_args: Sequence[str] = (),
         conf: Mapping[str, Any] | None = None,
         pythonpath: Sequence[str | os.PathLike[str]] = (),
+        python: str | None = None,
     ) -> None:
         self.app = app
+        self.python = python or sys.executable
         self.cwd = Path(cwd)
         self.log_path = Path(log_path)
         self.env = dict(env or {})
@@ -132,7 +147,7 @@ class WorkerProcess:
         entry = ["-m", "celery"] if self.conf is None else ["-m", "celery_lease.testing._launch"]
         queues = ["-Q", ",".join(self.queues)] if self.queues else []
         return [
-            sys.executable,
+            self.python,
             *entry,
             "-A",
             self.app,

@@ -271,6 +271,7 @@ def lease_workers(
     app = lease_app if isinstance(lease_app, str) else app_path(lease_app)
     ini_pool = str(request.config.getini("lease_pool") or "prefork")
     ini_concurrency = int(str(request.config.getini("lease_concurrency") or "1"))
+    host = f"lease-test-{uuid.uuid4().hex[:8]}"
 
     def start(
         name: str = "w1",
@@ -291,7 +292,9 @@ def lease_workers(
             env={EFFECTS_ENV: str(lease_effects.path), **(env or {})},
             pool=pool or ini_pool,
             concurrency=concurrency or ini_concurrency,
-            nodename=options.pop("nodename", f"{name}@lease-test"),
+            # a host part of the test's own: brokers shared by concurrent test runs keep
+            # one control queue per node name (RabbitMQ refuses a second one)
+            nodename=options.pop("nodename", f"{name}@{host}"),
             pythonpath=_pythonpath(),
             **options,
         )

@@ -7,8 +7,10 @@ from celery import Celery
 from celery_lease import LeasedTask
 
 app = Celery("proj", broker=os.environ.get("BROKER_URL", "redis://127.0.0.1:6379/0"))
-# The lease store. Default: celery-lease.sqlite3 in the working directory (run the
-# worker and the producer from the same folder). Production: PostgreSQL, e.g.
+# The lease store. Default: celery-lease.sqlite3 in the directory each process starts
+# in (run the worker and the producer from the same folder; the worker logs the path,
+# `celery -A proj lease check` reports a worker on another store). Production:
+# PostgreSQL, e.g.
 # app.conf.lease_database_url = "postgresql+psycopg://user:password@db-host/app"
 
 

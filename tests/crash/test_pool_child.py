@@ -75,7 +75,7 @@ def test_task_killing_its_child_every_time_goes_to_wait_manual(lease_env: LeaseE
     rec = p.wait_state(task_id, State.WAIT_MANUAL, timeout=30)
     assert rec.recoveries == 3 and rec.attempt == 3
     assert rec.reason is not None
-    assert "poison task: lease expired 3 times (max_recoveries=2)" in rec.reason
+    assert "poison task: lease expired 3 times, more than max_recoveries (2) allows" in rec.reason
     trail = p.trail(task_id)
     assert trail.count(("RUNNING", "TIMEOUT")) == 3
     assert trail[-2:] == [("RUNNING", "TIMEOUT"), ("TIMEOUT", "WAIT_MANUAL")]

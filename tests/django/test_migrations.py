@@ -122,6 +122,33 @@ def test_migrating_again_keeps_tables_and_rows(django_project: Any, lease: Any):
     assert lease.state(task_id) == "WAIT_MANUAL"
 
 
+def test_a_database_migrated_by_0001_at_version_1_is_upgraded_by_0002(
+    django_project: Any, lease: Any
+):
+    """Lease tables that ``0001_initial`` created at schema version 1 reach the current
+    version when Django applies the later migrations (which run the store's steps)."""
+    from django.core.management import call_command
+
+    from celery_lease.store import SCHEMA_VERSION
+
+    store = lease.store
+    task_id = lease.make("WAIT_MANUAL")
+    t = store.t
+    call_command("migrate", "celery_lease", "0001", verbosity=0)
+    try:
+        with store.engine.begin() as conn:  # back to version 1
+            next(i for i in t.tasks.indexes if i.name.endswith("_finished")).drop(conn)
+            for table in (t.counters, t.pauses, t.pause_log):
+                table.drop(conn)
+            conn.execute(t.version.delete().where(t.version.c.version > 1))
+        assert store.schema_version() == 1
+    finally:
+        call_command("migrate", "celery_lease", verbosity=0)
+    assert store.schema_version() == SCHEMA_VERSION
+    assert store.pauses() == [] and store.counters()["purged"] == 0
+    assert lease.state(task_id) == "WAIT_MANUAL"
+
+
 # -- configuration ------------------------------------------------------------------------
 
 

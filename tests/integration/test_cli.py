@@ -243,6 +243,19 @@ def test_several_ids_each_get_a_line_and_the_worst_exit_code(ops: Ops) -> None:
     assert ops.state(a) is ops.state(b) is State.FAILED
 
 
+def test_the_exit_code_is_the_worst_error_not_the_first(ops: Ops) -> None:
+    done = ops.finished(State.SUCCEEDED)  # refused (1), met first
+    manual = ops.wait_manual()
+    result = run(ops, "retry", done, "missing-id", manual)  # then not found (4)
+    assert result.exit_code == 4, result.output
+    assert result.stdout.splitlines() == [f"{manual}: WAIT_MANUAL -> PENDING, re-published"]
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 2 and "SUCCEEDED -> PENDING" in errors[0] and "missing-id" in errors[1]
+    # the order of the ids does not change the code
+    again = run(ops, "cancel", "missing-id", done)
+    assert again.exit_code == 4, again.output
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -40,8 +40,9 @@ def test_demo_recovers_every_order_exactly_once(tmp_path: Path) -> None:
     assert summary is not None, output
     # the pool-process kill and the worker kill each hit at least one running order
     assert int(summary["recovered"]) >= 2, output
-    assert (data / "demo_app.py").is_file()
     assert (data / "lease.sqlite3").is_file()
+    assert (data / "external.sqlite3").is_file()
+    assert (data / "worker1.log").is_file() and (data / "worker2.log").is_file()
 
 
 def test_demo_refuses_a_directory_it_did_not_make(

@@ -8,7 +8,7 @@ Before, ``celery-lease[redis]`` brought ``redis`` but not ``packaging``, which k
 
 One virtualenv per broker; pip's cache is used (PyPI or the configured index must be
 reachable). Two installs: Redis with ``[redis,prometheus]`` on a SQLite store, RabbitMQ
-(amqp, a dependency of celery itself) with ``[postgres,django]`` on PostgreSQL.
+(amqp, a dependency of celery itself) with ``[postgres,django,testing]`` on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ IMPORTS = {
     "prometheus": ["prometheus_client", "celery_lease.metrics"],
     "postgres": ["psycopg"],
     "django": ["django", "celery_lease.contrib.django.apps"],
+    "testing": ["pytest", "celery_lease.testing.plugin"],
 }
 
 
@@ -114,7 +115,7 @@ def venv_with(wheel: Path, extras: list[str], where: Path) -> Path:
         pytest.param("redis", ["redis", "prometheus"], "sqlite", id="redis-sqlite"),
         pytest.param(
             "amqp",
-            ["postgres", "django"],
+            ["postgres", "django", "testing"],
             "postgresql",
             id="amqp-postgresql",
             marks=pytest.mark.postgres,

@@ -47,15 +47,20 @@ def lease_env(
 
 
 def retry_gaps(p: LeasedProject, task_id: str) -> list[float]:
-    """Database seconds between each RUNNING -> RETRY_WAIT and the re-publish that ended it."""
+    """Database seconds between each RUNNING -> RETRY_WAIT and the claim of the retry.
+
+    The worker that retries publishes the retry itself, at once (RETRY_WAIT -> PENDING
+    in the same transaction, by the same worker): the countdown is the message's ETA."""
     trail = p.store.history(task_id)
     gaps = []
     for i, row in enumerate(trail):
         if row.to_state is State.RETRY_WAIT:
-            nxt = trail[i + 1]
+            nxt, claim = trail[i + 1], trail[i + 2]
             assert (nxt.from_state, nxt.to_state) == (State.RETRY_WAIT, State.PENDING), nxt
-            assert nxt.actor.startswith("reaper:"), nxt
-            gaps.append((nxt.at - row.at).total_seconds())
+            assert nxt.actor == row.actor and nxt.actor.startswith("worker:"), nxt
+            assert (nxt.at - row.at).total_seconds() < 0.3, (row, nxt)
+            assert (claim.from_state, claim.to_state) == (State.PENDING, State.RUNNING), claim
+            gaps.append((claim.at - row.at).total_seconds())
     return gaps
 
 
@@ -87,6 +92,7 @@ def test_every_outcome_on_each_broker_and_store(lease_env: LeaseEnv, broker_url:
     # exception: FAILED with its type and message, not retried
     rec = p.wait_state(boom, State.FAILED)
     assert rec.error == "ValueError: no luck" and rec.attempt == 1
+    assert rec.reason == "task raised ValueError"
     assert p.trail(boom) == [(None, "PENDING"), ("PENDING", "RUNNING"), ("RUNNING", "FAILED")]
 
     # self.retry(countdown=0.3) twice: RETRY_WAIT, re-published by the reaper when due
@@ -112,22 +118,27 @@ def test_every_outcome_on_each_broker_and_store(lease_env: LeaseEnv, broker_url:
             found = re.search(r"in ([\d.]+) s", row.reason or "")
             assert found is not None, row.reason
             delays.append(float(found.group(1)))
+            assert re.fullmatch(r"retry \d of 3, due in [\d.]+ s", row.reason or ""), row.reason
     assert delays == [1.0, 2.0]
 
     # retries exhausted: FAILED (default) or WAIT_MANUAL (on_exhausted="manual")
     rec = p.wait_state(exhausted, State.FAILED)
     assert rec.attempt == 2 and rec.retries == 1 and rec.error == "Flaky: always"
+    # a sentence, not "retries exhausted (1/1): retry()"
+    exhausted_reason = "retries exhausted: 1 of 1 used, and the task asked for another"
+    assert rec.reason == f"{exhausted_reason} (Flaky: always)"
     assert p.trail(exhausted)[-1] == ("RUNNING", "FAILED")
     rec = p.wait_state(manual, State.WAIT_MANUAL)
     assert rec.attempt == 2 and rec.retries == 1 and rec.error == "Flaky: always"
-    assert rec.reason is not None and "retries exhausted" in rec.reason
+    assert rec.reason == f"{exhausted_reason} (Flaky: always)"
     assert p.trail(manual)[-1] == ("RUNNING", "WAIT_MANUAL")
 
     # results that cannot be stored: SUCCEEDED, no result, a note saying why
     for task_id in (odd, big):
         rec = p.wait_state(task_id, State.SUCCEEDED)
         assert rec.result is None and rec.attempt == 1
-        assert rec.reason is not None and "result not stored" in rec.reason, rec.reason
+        assert rec.reason is not None, rec
+        assert rec.reason.startswith("succeeded, but the result was not stored: "), rec.reason
         assert p.trail(task_id) == CLEAN_RUN
 
     # each body ran exactly as often as its attempts say

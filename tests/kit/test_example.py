@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .test_plugin import plugin_args
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "payments"
 
 
@@ -16,7 +18,17 @@ def test_the_payments_example_passes_with_real_sigkills(redis_url: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["CELERY_LEASE_TESTING_BROKER_URL"] = redis_url
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", str(EXAMPLE)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *plugin_args(),
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+            str(EXAMPLE),
+        ],
         cwd=EXAMPLE,
         env=env,
         capture_output=True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,8 @@ import pytest
 
 import celery_lease.testing.plugin as plugin
 from celery_lease.testing import pid_alive
+
+from .. import conftest
 
 APP = """
 from celery import Celery
@@ -58,12 +61,17 @@ def test_the_apps_settings_are_given_back():
 """
 
 
+def plugin_args() -> list[str]:
+    """``-p`` the kit's plugin for an installation older than its entry point."""
+    return ["-p", conftest.KIT_PLUGIN] if hasattr(conftest, "pytest_plugins") else []
+
+
 def run_pytest(project: Path, redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["CELERY_LEASE_TESTING_BROKER_URL"] = redis_url
     env["GROUP_FILE"] = str(project / "group.txt")
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+        [sys.executable, "-m", "pytest", *plugin_args(), "-p", "no:cacheprovider", "-q", *args],
         cwd=project,
         env=env,
         capture_output=True,
@@ -91,7 +99,9 @@ def test_ini_names_the_app_failures_show_the_log_and_teardown_kills_everything(
 
     assert "1 failed, 2 passed" in out, out
     assert "FAILED test_shop.py::test_fails_and_shows_the_log" in out, out
-    assert "celery-lease worker logs (tail)" in out and "w1@lease-test ready." in out, out
+    assert "celery-lease worker logs (tail)" in out and re.search(
+        r"w1@lease-test-\w+ ready\.", out
+    ), out
     pids = [int(p) for p in (project / "group.txt").read_text().split()]
     assert len(pids) == 2  # the main process and its one pool process
     assert not [p for p in pids if pid_alive(p)]

@@ -83,7 +83,9 @@ def test_kill_the_whole_worker_then_restart_it_under_the_same_node_name(
     assert record.attempt == 2
     trail = lease_worker.store.history(result.id)
     assert any(
-        "w1@lease-test" in (row.reason or "") for row in trail if row.to_state is State.TIMEOUT
+        lease_worker.nodename in (row.reason or "")
+        for row in trail
+        if row.to_state is State.TIMEOUT
     )
     assert lease_effects.count("charge") == 1
     assert_check_clean(lease_worker.store)

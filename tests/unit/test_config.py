@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 from celery import Celery
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_lease import config
-from celery_lease.config import SETTINGS, LeaseConfig, from_mapping
+from celery_lease.config import SETTINGS, LeaseConfig, from_mapping, resolve_database_url
 from celery_lease.exceptions import CeleryLeaseError, ConfigurationError
 
 
@@ -54,7 +55,10 @@ DEFAULTS = {
 
 
 def test_defaults():
-    assert dataclasses.asdict(LeaseConfig()) == DEFAULTS
+    # the default SQLite file is resolved once, against the current directory
+    resolved = {**DEFAULTS, "database_url": resolve_database_url(DEFAULTS["database_url"])}
+    assert resolved["database_url"] == f"sqlite:///{os.path.abspath('celery-lease.sqlite3')}"
+    assert dataclasses.asdict(LeaseConfig()) == resolved
 
 
 def test_empty_mapping_gives_the_defaults():
@@ -158,7 +162,7 @@ def test_environment_supplies_an_unset_database_url(monkeypatch):
     monkeypatch.setenv("CELERY_LEASE_DATABASE_URL", "postgresql://env@h/db")
     assert from_mapping({}).database_url == "postgresql://env@h/db"
     explicit = from_mapping({"lease_database_url": "sqlite:///x.db"})
-    assert explicit.database_url == "sqlite:///x.db"
+    assert explicit.database_url == f"sqlite:///{os.path.abspath('x.db')}"
 
 
 def test_config_is_frozen():

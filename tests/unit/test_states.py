@@ -179,7 +179,7 @@ def test_state_values_are_their_names():
 
 def test_every_rule_names_who_may_take_it():
     assert all(rule.actors and rule.note.strip() for rule in states.RULES.values())
-    assert states.TRANSITIONS == {pair: rule.note for pair, rule in states.RULES.items()}
+    assert {pair: rule.note for pair, rule in states.RULES.items()} == states.TRANSITIONS
 
 
 def test_operator_actions_are_derived_from_the_table():

@@ -14,8 +14,8 @@ from typing import Any
 
 from django import forms
 
-from ...admin import Admin
 from ...exceptions import IllegalTransition, TaskNotFound
+from ...operations import Admin
 from ...states import State, action_sources
 
 
@@ -110,7 +110,7 @@ ACTIONS: dict[str, LeaseAction] = {
 }
 
 
-class LeaseActionForm(forms.Form):  # type: ignore[misc]
+class LeaseActionForm(forms.Form):
     """Reason (and, for resolve, a JSON result) for an operator action."""
 
     reason = forms.CharField(

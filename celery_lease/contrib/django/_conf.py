@@ -83,9 +83,10 @@ def get_celery_app() -> Celery:
     """The Celery app named by ``CELERY_LEASE_APP``, else ``celery.current_app``."""
     path = _setting(SETTING_APP)
     if not path:
-        from celery import current_app
+        # what celery.current_app stands for
+        from celery._state import get_current_app
 
-        found: Celery = current_app._get_current_object()  # type: ignore[attr-defined]
+        found: Celery = get_current_app()
         return found
     if isinstance(path, Celery):
         return path

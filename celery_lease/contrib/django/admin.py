@@ -20,9 +20,9 @@ from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
-from ...admin import Admin
-from ...admin import admin as operator_api
 from ...exceptions import IllegalTransition, StoreError, TaskNotFound
+from ...operations import Admin
+from ...operations import admin as operator_api
 from ...records import WorkerRecord
 from ...states import State
 from . import _conf
@@ -42,7 +42,7 @@ def api() -> Admin:
 # -- filters ------------------------------------------------------------------------------
 
 
-class WorkerFilter(admin.SimpleListFilter):  # type: ignore[misc]
+class WorkerFilter(admin.SimpleListFilter):
     """Tasks whose latest attempt ran on a worker node (any incarnation of it)."""
 
     title = "worker"
@@ -64,7 +64,7 @@ class WorkerFilter(admin.SimpleListFilter):  # type: ignore[misc]
 # -- inlines ------------------------------------------------------------------------------
 
 
-class _ReadOnlyInline(admin.TabularInline):  # type: ignore[misc]
+class _ReadOnlyInline(admin.TabularInline):
     extra = 0
     max_num = 0
     can_delete = False
@@ -142,7 +142,7 @@ def _changelist_action(spec: LeaseAction) -> Any:
 
 
 @admin.register(Task)
-class TaskAdmin(admin.ModelAdmin):  # type: ignore[misc]
+class TaskAdmin(admin.ModelAdmin):
     """Leased tasks: read-only, with operator actions."""
 
     list_display = (
@@ -507,7 +507,7 @@ class TaskAdmin(admin.ModelAdmin):  # type: ignore[misc]
 
 
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):  # type: ignore[misc]
+class WorkerAdmin(admin.ModelAdmin):
     """Worker incarnations: who holds leases, and whether they are alive."""
 
     search_fields = ("nodename", "=id", "hostname")

@@ -13,7 +13,7 @@ from ...exceptions import CeleryLeaseError
 logger = logging.getLogger("celery_lease.contrib.django")
 
 
-class CeleryLeaseConfig(AppConfig):  # type: ignore[misc]
+class CeleryLeaseConfig(AppConfig):
     """Models, migrations and admin for the lease tables (label ``celery_lease``)."""
 
     name = "celery_lease.contrib.django"

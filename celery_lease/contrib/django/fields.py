@@ -9,7 +9,7 @@ from django.db import models
 from django.utils import timezone as dj_timezone
 
 
-class LeaseTimeField(models.DateTimeField):  # type: ignore[misc]
+class LeaseTimeField(models.DateTimeField):
     """A lease-store timestamp (``DbTime``): ``timestamptz`` on PostgreSQL, epoch seconds
     (REAL) on SQLite, where the store needs sub-second precision. Values are aware UTC
     datetimes on both.
@@ -43,7 +43,7 @@ class LeaseTimeField(models.DateTimeField):  # type: ignore[misc]
         return connection.ops.adapt_datetimefield_value(value)
 
 
-class StepTaskField(models.ForeignKey):  # type: ignore[misc]
+class StepTaskField(models.ForeignKey):
     """The task of a step, standing in as the step's primary key.
 
     The steps table's key is ``(task_id, name)``; Django wants a single primary-key

@@ -24,14 +24,14 @@ from .fields import LeaseTimeField, StepTaskField
 STATE_CHOICES = [(s.value, s.value) for s in State]
 
 
-class LeaseManager(models.Manager):  # type: ignore[misc]
+class LeaseManager(models.Manager):
     """Reads from the database alias holding the lease tables."""
 
     def get_queryset(self) -> Any:
         return super().get_queryset().using(_conf.database_alias())
 
 
-class Task(models.Model):  # type: ignore[misc]
+class Task(models.Model):
     """One leased task (a row of ``<prefix>tasks``)."""
 
     id = models.CharField(primary_key=True, max_length=255)
@@ -48,6 +48,7 @@ class Task(models.Model):  # type: ignore[misc]
     args = models.TextField(null=True)
     kwargs = models.TextField(null=True)
     options = models.TextField(null=True)
+    message = models.TextField(null=True, help_text="The message Celery built for the task (JSON).")
     eta = LeaseTimeField(null=True)
     lease_ttl = models.FloatField()
     max_runtime = models.FloatField(null=True)
@@ -92,7 +93,7 @@ class Task(models.Model):  # type: ignore[misc]
         return f"{self.name}[{self.id}]"
 
 
-class Transition(models.Model):  # type: ignore[misc]
+class Transition(models.Model):
     """One audit row: a state change with who made it and why."""
 
     id = models.BigAutoField(primary_key=True)
@@ -124,7 +125,7 @@ class Transition(models.Model):  # type: ignore[misc]
         return f"{self.from_state or '(new)'} -> {self.to_state}"
 
 
-class Step(models.Model):  # type: ignore[misc]
+class Step(models.Model):
     """One recorded step of a task (the real key is ``(task_id, name)``)."""
 
     task = StepTaskField(
@@ -158,7 +159,7 @@ class Step(models.Model):  # type: ignore[misc]
         return str(self.name)
 
 
-class Worker(models.Model):  # type: ignore[misc]
+class Worker(models.Model):
     """One worker incarnation (a fresh id per start; host and pid are for humans)."""
 
     id = models.CharField(primary_key=True, max_length=64)

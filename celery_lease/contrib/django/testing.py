@@ -16,7 +16,7 @@ from django.test import runner
 from ._conf import close_connections
 
 
-class DiscoverRunner(runner.DiscoverRunner):  # type: ignore[misc]
+class DiscoverRunner(runner.DiscoverRunner):
     """``django.test.runner.DiscoverRunner`` that lets go of the lease store's connections
     before it drops the test databases."""
 

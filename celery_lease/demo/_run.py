@@ -1,9 +1,10 @@
 """``python -m celery_lease.demo``: watch celery-lease recover from real crashes.
 
 Needs no server: the store is a SQLite file and the broker is kombu's filesystem
-transport, both in a data directory (``./demo-data`` by default). The demo writes a
-small Celery project there, starts a real ``celery worker`` (prefork, two pool
-processes), submits orders that each run three steps with a real side effect, then
+transport, both in a data directory (``./demo-data`` by default). The demo starts a
+real ``celery worker`` (prefork, two pool processes) of its project, the module
+:mod:`celery_lease.demo.app`, submits orders that each run three steps with a real
+side effect, then
 
 1. SIGKILLs the pool process running one order in the middle of a step,
 2. SIGKILLs the whole worker (main process and pool) while orders run,
@@ -20,204 +21,71 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
+import importlib
 import json
 import os
 import shutil
 import signal
-import sqlite3
-import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
-from ._runtime import runtime
-from .admin import Admin, admin
-from .records import TaskRecord, TransitionRecord
+from .._runtime import runtime
+from ..admin import Admin, admin
+from ..records import TaskRecord, TransitionRecord
+from ..testing import SideEffects, WorkerProcess, pid_alive, wait_until
+from .app import DATA_ENV, STEP_SECONDS_ENV, STEPS
 
 T = TypeVar("T")
 
-STEPS = ("reserve", "charge", "ship")
 NODENAME = "demo@%h"
 MARKER = ".celery-lease-demo"
 SUMMARY_OK = "OK"
 SUMMARY_FAILED = "FAILED"
-
-APP_TEMPLATE = '''\
-"""A small Celery project written by `python -m celery_lease.demo` (safe to delete).
-
-Broker: kombu's filesystem transport (a folder). Store: a SQLite file. No server.
-"""
-
-import os
-import sqlite3
-import time
-from pathlib import Path
-
-from celery import Celery
-
-from celery_lease import LeasedTask
-
-HERE = Path(__file__).resolve().parent
-EXTERNAL = HERE / "external.sqlite3"  # stands in for a payment API, a mailer, ...
-STEP_SECONDS = {step_seconds!r}
-
-app = Celery("demo_app", broker="filesystem://localhost/")
-app.conf.update(
-    broker_transport_options={{
-        "data_folder_in": str(HERE / "broker"),
-        "data_folder_out": str(HERE / "broker"),
-        "polling_interval": 0.05,
-    }},
-    broker_connection_retry_on_startup=True,
-    worker_prefetch_multiplier=1,
-    # Celery waits this long (default 10 s) before reporting a dead pool process, in case
-    # it sent its result first; the outcome is in the lease store, so nothing is lost.
-    worker_lost_wait=1,
-    # celery-lease, with short timings so that the demo is quick
-    lease_database_url=f"sqlite:///{{HERE / 'lease.sqlite3'}}",
-    lease_ttl=3,  # default 30
-    lease_heartbeat_interval=0.5,  # default 5
-    lease_reaper_interval=0.5,  # default 5
-    lease_republish_after=4,  # default 60
-    lease_publish_grace=1,  # default 10
-    lease_beat_reaper=False,  # no beat here: each worker's embedded reaper sweeps
-)
-
-
-def external(sql, params=()):
-    conn = sqlite3.connect(EXTERNAL, timeout=30, isolation_level=None)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
-
-
-def perform(task_id, step):
-    """One step's real side effect: slow work, then one row in the external system."""
-    time.sleep(STEP_SECONDS)
-    external(
-        "INSERT INTO effects (task_id, step, pid, at) VALUES (?, ?, ?, ?)",
-        (task_id, step, os.getpid(), time.time()),
-    )
-    return f"{{step}}: done"
-
-
-def already_performed(task_id, step):
-    """Asked on a re-run when a crash hit this step: did the effect happen?"""
-    rows = external("SELECT 1 FROM effects WHERE task_id = ? AND step = ?", (task_id, step))
-    return f"{{step}}: done" if rows else None  # None: it did not, run it
-
-
-@app.task(base=LeasedTask, bind=True, name="demo.process_order")
-def process_order(self, order):
-    # demo instrumentation: tells the demo which process to kill
-    external(
-        "INSERT INTO runs (task_id, pid, at) VALUES (?, ?, ?)",
-        (self.request.id, os.getpid(), time.time()),
-    )
-    for step in {steps!r}:
-        self.step(step, perform, self.request.id, step, check=already_performed)
-    return f"order {{order}} done"
-'''
-
-EXTERNAL_SCHEMA = """
-CREATE TABLE IF NOT EXISTS effects (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    task_id TEXT NOT NULL, step TEXT NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS runs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    task_id TEXT NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL
-);
-"""
 
 
 class DemoError(Exception):
     """The demo could not do what it set out to do (not a celery-lease verdict)."""
 
 
-# -- small helpers --------------------------------------------------------------------------
-
-
-def wait_for(
+def _wait(
     predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05
 ) -> T:
     """Poll ``predicate`` until it returns something truthy; ``DemoError`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise DemoError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return stat[stat.rindex(")") + 2] not in "ZX"
+        return wait_until(predicate, timeout=timeout, interval=interval, message=what)
+    except AssertionError:
+        raise DemoError(f"timed out after {timeout:g} s waiting for {what}") from None
 
 
-class External:
-    """The demo's stand-in for an external system: counts every real side effect."""
+# -- what the external system saw (the project records each order's runs and steps) ----
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
 
-    @contextlib.contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        try:
-            yield conn
-        finally:
-            conn.close()
+def effects_by_step(external: SideEffects) -> dict[tuple[str, str], int]:
+    """(task id, step) -> how many times the side effect really happened."""
+    out: dict[tuple[str, str], int] = {}
+    for effect in external.effects():
+        if effect.name in STEPS and effect.payload is not None:
+            out[(effect.payload, effect.name)] = out.get((effect.payload, effect.name), 0) + 1
+    return out
 
-    def create(self) -> None:
-        with self._connect() as conn:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(EXTERNAL_SCHEMA)
 
-    def effects(self) -> dict[tuple[str, str], int]:
-        """(task id, step) -> how many times the side effect really happened."""
-        with self._connect() as conn:
-            rows = conn.execute(
-                "SELECT task_id, step, count(*) FROM effects GROUP BY task_id, step"
-            ).fetchall()
-        return {(str(r[0]), str(r[1])): int(r[2]) for r in rows}
+def effect_count(external: SideEffects, task_id: str) -> int:
+    return sum(1 for e in external.effects() if e.name in STEPS and e.payload == task_id)
 
-    def effect_count(self, task_id: str) -> int:
-        with self._connect() as conn:
-            row = conn.execute("SELECT count(*) FROM effects WHERE task_id = ?", (task_id,))
-            return int(row.fetchone()[0])
 
-    def last_run(self, task_id: str) -> tuple[int, float] | None:
-        """(pid, start time) of the latest execution of ``task_id``."""
-        with self._connect() as conn:
-            row = conn.execute(
-                "SELECT pid, at FROM runs WHERE task_id = ? ORDER BY id DESC LIMIT 1", (task_id,)
-            ).fetchone()
-        return None if row is None else (int(row[0]), float(row[1]))
+def last_run(external: SideEffects, task_id: str) -> tuple[int, float] | None:
+    """(pid, start time) of the latest execution of ``task_id``."""
+    runs = [e for e in external.effects("run") if e.payload == task_id]
+    return (runs[-1].pid, runs[-1].at) if runs else None
 
-    def last_effect_at(self, task_id: str) -> float | None:
-        with self._connect() as conn:
-            row = conn.execute("SELECT max(at) FROM effects WHERE task_id = ?", (task_id,))
-            value = row.fetchone()[0]
-        return None if value is None else float(value)
+
+def last_effect_at(external: SideEffects, task_id: str) -> float | None:
+    times = [e.at for e in external.effects() if e.name in STEPS and e.payload == task_id]
+    return max(times) if times else None
 
 
 @dataclasses.dataclass
@@ -240,73 +108,48 @@ class Crash:
     lost_messages: list[str] = dataclasses.field(default_factory=list)
 
 
-class Worker:
-    """A real ``celery worker`` subprocess in its own process group."""
+class Worker(WorkerProcess):
+    """A real ``celery worker`` of the demo's project (the testing kit's process)."""
 
-    def __init__(self, number: int, data_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, number: int, data_dir: Path, step_seconds: float) -> None:
         self.number = number
-        self.log_path = data_dir / f"worker{number}.log"
-        self._log = self.log_path.open("wb")
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "demo_app",
-            "worker",
-            "--pool=prefork",
-            "--concurrency=2",
-            f"--hostname={NODENAME}",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "--loglevel=INFO",
-        ]
-        self.started_at = time.time()
-        self.proc = subprocess.Popen(
-            cmd,
+        self.started_at = 0.0
+        super().__init__(
+            "celery_lease.demo.app",
             cwd=data_dir,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: one killpg hits main + pool
+            log_path=data_dir / f"worker{number}.log",
+            env={DATA_ENV: str(data_dir), STEP_SECONDS_ENV: repr(step_seconds)},
+            pool="prefork",
+            concurrency=2,
+            nodename=NODENAME,
         )
 
+    def start(self) -> Worker:
+        self.started_at = time.time()
+        super().start()
+        return self
+
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def main_pid(self) -> int:
+        return self.require_pid()
 
     def kill_group(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        """SIGKILL the main process and its pool at once (one process group)."""
+        self.signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=10)
 
     def request_stop(self) -> None:
         """Ask for a warm shutdown (SIGTERM to the main process) without waiting."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """Warm shutdown (SIGTERM), SIGKILL if it does not finish in time."""
-        if self.proc.poll() is None:
-            self.request_stop()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill_group()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # stray pool children, if any
-        self._log.close()
+        if self.is_alive():
+            self.signal_main(signal.SIGTERM)
 
     def log_tail(self, lines: int = 25) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
+        return super().log_tail(lines)
 
     def dropped_deliveries(self) -> int:
         """Deliveries the worker dropped at claim without running them (duplicates)."""
-        text = self.log_path.read_text(errors="replace")
-        return text.count("delivery dropped without running")
+        return self.log_text().count("delivery dropped without running")
 
 
 # -- the demo -------------------------------------------------------------------------------
@@ -324,8 +167,7 @@ class Demo:
         self.events: list[Event] = []
         self.crashes: list[Crash] = []
         self.workers: list[Worker] = []
-        self.external = External(data_dir / "external.sqlite3")
-        self.app: Any = None  # the generated project's Celery app and task
+        self.external: Any = None  # the project's side-effect counter, Celery app, task
         self.task: Any = None
         self._admin: Admin | None = None
         self.orders: dict[str, int] = {}  # task id -> order number
@@ -356,46 +198,37 @@ class Demo:
             shutil.rmtree(data)
         (data / "broker").mkdir(parents=True)
         (data / MARKER).write_text("made by python -m celery_lease.demo; safe to delete\n")
-        source = APP_TEMPLATE.format(step_seconds=self.step_seconds, steps=STEPS)
-        (data / "demo_app.py").write_text(source)
-        self.external.create()
-        spec = importlib.util.spec_from_file_location("demo_app", data / "demo_app.py")
-        if spec is None or spec.loader is None:
-            raise DemoError("cannot load the generated demo_app.py")
-        module: ModuleType = importlib.util.module_from_spec(spec)
-        sys.modules["demo_app"] = module
-        spec.loader.exec_module(module)
+        # the project reads where its data goes when it is imported, as its workers do
+        os.environ[DATA_ENV] = str(data)
+        os.environ[STEP_SECONDS_ENV] = repr(self.step_seconds)
+        module = importlib.import_module("celery_lease.demo.app")
+        loaded_for = (module.DATA, module.STEP_SECONDS)
+        if loaded_for != (data, self.step_seconds):
+            module = importlib.reload(module)  # a second run in one process
+        self.external = module.external()
         self.app = module.app
         self.task = module.process_order
         self._admin = admin(self.app)
         runtime(self.app).store.migrate()
 
-    def worker_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        paths = [str(self.data_dir)]
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        env["PYTHONPATH"] = os.pathsep.join(paths)
-        return env
-
     def start_worker(self) -> Worker:
         number = len(self.workers) + 1
         known = {w.id for w in self.admin.workers()}
-        worker = Worker(number, self.data_dir, self.worker_env())
+        worker = Worker(number, self.data_dir, self.step_seconds)
         self.workers.append(worker)
+        worker.start()
 
         def registered() -> Any:
-            if worker.proc.poll() is not None:
+            if not worker.is_alive():
                 raise DemoError(
-                    f"worker {number} exited with status {worker.proc.returncode}:\n"
-                    + worker.log_tail()
+                    f"worker {number} exited with status {worker.returncode}:\n" + worker.log_tail()
                 )
             fresh = [w for w in self.admin.workers() if w.id not in known and w.alive]
             return fresh[0] if fresh else None
 
-        record = wait_for(registered, 60, f"worker {number} to start")
+        record = _wait(registered, 60, f"worker {number} to start")
         self.note(
-            f"worker {number} started: node {record.nodename}, pid {worker.pid} "
+            f"worker {number} started: node {record.nodename}, pid {worker.main_pid} "
             f"(registered {record.started_at.timestamp() - worker.started_at:.1f} s after launch)",
             at=record.started_at.timestamp(),
         )
@@ -454,20 +287,20 @@ class Demo:
 
         def victim() -> tuple[str, int] | None:
             for tid in self.running():
-                run = self.external.last_run(tid)
-                done_at = self.external.last_effect_at(tid)
+                run = last_run(self.external, tid)
+                done_at = last_effect_at(self.external, tid)
                 if run is None or done_at is None or not pid_alive(run[0]):
                     continue
                 # first step's effect happened in this run and the second step is under way
                 if (
-                    self.external.effect_count(tid) == 1
+                    effect_count(self.external, tid) == 1
                     and done_at > run[1]
                     and time.time() - done_at >= self.step_seconds * 0.4
                 ):
                     return tid, run[0]
             return None
 
-        task_id, pid = wait_for(victim, 30, "an order in the middle of a step")
+        task_id, pid = _wait(victim, 30, "an order in the middle of a step")
         os.kill(pid, signal.SIGKILL)
         crash = Crash("pool process SIGKILL", "pool process kill", time.time(), [task_id])
         self.crashes.append(crash)
@@ -478,7 +311,7 @@ class Demo:
             crash=True,
         )
         # go on once the lease is expired and the order is back in the queue
-        wait_for(
+        _wait(
             lambda: any(r.to_state.value == "PENDING" for r in self.admin.history(task_id)[1:]),
             30,
             f"{self.label(task_id)} to be recovered",
@@ -490,7 +323,7 @@ class Demo:
         def busy() -> list[str] | None:
             running = []
             for tid in self.running():
-                run = self.external.last_run(tid)
+                run = last_run(self.external, tid)
                 # a live pool process well inside a step, not just claiming
                 if (
                     run is not None
@@ -500,10 +333,9 @@ class Demo:
                     running.append(tid)
             return running if len(running) >= 2 else None
 
-        running = wait_for(busy, 30, "two orders running at once")
-        os.killpg(worker.pid, signal.SIGKILL)
+        running = _wait(busy, 30, "two orders running at once")
+        worker.kill_group()
         at = time.time()
-        worker.proc.wait(timeout=10)
         # nothing consumes the broker folder now: a PENDING row without a message in it
         # had its message prefetched by the dead worker
         queued = self.queued_ids()
@@ -514,7 +346,7 @@ class Demo:
         self.crashes.append(Crash("worker SIGKILL", "worker kill", at, running, lost))
         names = ", ".join(self.label(t) for t in running)
         self.note(
-            f"SIGKILL worker {worker.number}'s process group (main process {worker.pid} "
+            f"SIGKILL worker {worker.number}'s process group (main process {worker.main_pid} "
             f"and its pool): {names} running",
             at=at,
             crash=True,
@@ -538,7 +370,7 @@ class Demo:
             self.kill_pool_child(first)
             self.kill_worker(first)
             self.start_worker()
-            wait_for(self.all_finished, 60, "every order to finish", interval=0.1)
+            _wait(self.all_finished, 60, "every order to finish", interval=0.1)
             self.note("every order finished")
             for w in self.workers:
                 w.request_stop()  # a warm shutdown takes a few seconds: report meanwhile
@@ -562,7 +394,7 @@ class Demo:
     def report(self) -> int:
         history = {tid: self.admin.history(tid) for tid in self.orders}
         records = {tid: self.record(tid) for tid in self.orders}
-        effects = self.external.effects()
+        effects = effects_by_step(self.external)
 
         self.say("\ntimeline of the orders hit by a crash, from the audit trail (database time):")
         crashed = sorted(
@@ -645,10 +477,11 @@ class Demo:
         )
         example = next(iter(recovered), next(iter(self.orders)))
         self.say(
-            f"\neverything is kept in {self.data_dir}: the project demo_app.py, the store "
-            "lease.sqlite3, the worker logs worker1.log and worker2.log. To see the row, "
-            f"steps and history of {self.label(example)}:\n"
-            f"  cd {self.data_dir} && celery -A demo_app lease show {example}"
+            f"\neverything is kept in {self.data_dir}: the store lease.sqlite3, the side "
+            "effects external.sqlite3, the worker logs worker1.log and worker2.log (the "
+            "project is the module celery_lease.demo.app). To see the row, steps and "
+            f"history of {self.label(example)}:\n"
+            f"  {DATA_ENV}={self.data_dir} celery -A celery_lease.demo.app lease show {example}"
         )
         return 0 if ok else 1
 

@@ -1,0 +1,71 @@
+"""A worker incarnation and the flags its main process shares with its pool children.
+
+Lowest of the worker layers: the runtime records the incarnation, the heartbeat
+raises its flags, the task reads them at each step boundary.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import time
+
+
+class SharedFlags:
+    """A few bytes shared by a worker's main process and its (forked) pool children.
+
+    Anonymous shared memory is inherited across ``fork``: the main process sets the
+    fence flag when it cannot renew its heartbeat, and every child sees it at its
+    next step boundary without a database round trip.
+
+    It also holds the heartbeat's deadline: the monotonic time (system-wide, so the
+    same clock in every process) by which the next renewal must succeed. Past it the
+    worker is fenced even if the heartbeat thread never got to say so: a renewal stuck
+    in a connect timeout, or a main process frozen while its children run, cannot
+    keep a lease alive past its TTL.
+    """
+
+    _DEADLINE = struct.Struct("d")
+
+    def __init__(self) -> None:
+        self._mem = mmap.mmap(-1, 16)
+
+    @property
+    def fenced(self) -> bool:
+        if self._mem[0] == 1:
+            return True
+        deadline = self.deadline
+        return deadline > 0 and time.monotonic() >= deadline
+
+    @fenced.setter
+    def fenced(self, value: bool) -> None:
+        self._mem[0] = 1 if value else 0
+
+    @property
+    def raised(self) -> bool:
+        """Whether the heartbeat thread itself raised the flag (the deadline aside)."""
+        return self._mem[0] == 1
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic time past which the leases are lost (0: no deadline yet)."""
+        return float(self._DEADLINE.unpack_from(self._mem, 8)[0])
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+        self._DEADLINE.pack_into(self._mem, 8, value)
+
+
+class Incarnation:
+    """One start of one worker: a fresh id, with host and pid for humans."""
+
+    def __init__(self, worker_id: str, nodename: str, hostname: str, pid: int) -> None:
+        self.id = worker_id
+        self.nodename = nodename
+        self.hostname = hostname
+        self.pid = pid
+        self.flags = SharedFlags()
+
+    @property
+    def actor(self) -> str:
+        return f"worker:{self.nodename}"

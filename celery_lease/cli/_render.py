@@ -1,0 +1,129 @@
+"""How ``celery lease`` prints: JSON for scripts, padded tables and short durations
+for people, state names in colour on a terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from enum import Enum
+from typing import Any
+
+import click
+
+from ..states import State
+
+STATE_COLORS: dict[State, str] = {
+    State.PENDING: "blue",
+    State.RUNNING: "cyan",
+    State.SUCCEEDED: "green",
+    State.FAILED: "red",
+    State.RETRY_WAIT: "yellow",
+    State.TIMEOUT: "magenta",
+    State.WAIT_MANUAL: "red",
+    State.CANCELLED: "white",
+}
+
+
+def color_of(ctx: click.Context) -> bool | None:
+    """``None``: colour when the stream is a terminal (click strips it otherwise)."""
+    return False if getattr(ctx.find_root().obj, "no_color", False) else None
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(_jsonable(k)): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Enum):
+        return value.value
+    return value
+
+
+def _print_json(value: Any) -> None:
+    click.echo(json.dumps(_jsonable(value), indent=2, sort_keys=False))
+
+
+def ago(then: datetime | None, now: datetime) -> str:
+    """``"12s ago"``, ``"5m ago"``, ``"3h ago"``, ``"2d ago"`` (``"-"`` for none)."""
+    if then is None:
+        return "-"
+    return f"{span((now - then).total_seconds())} ago"
+
+
+def span(seconds: float | None) -> str:
+    """A short human duration: ``0.4s``, ``12s``, ``5m``, ``3h05m``, ``2d4h``."""
+    if seconds is None:
+        return "-"
+    s = max(0.0, seconds)
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    if s < 172800:
+        return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+    return f"{int(s // 86400)}d{int(s % 86400 // 3600)}h"
+
+
+class Table:
+    """Columns padded to width; the last column is cut to the terminal width on a tty."""
+
+    def __init__(
+        self, headers: Sequence[str], paint: dict[int, Callable[[str], str]], indent: int = 0
+    ) -> None:
+        self.headers = list(headers)
+        self.rows: list[list[str]] = []
+        self.paint = paint
+        self.indent = indent
+
+    def add(self, *cells: Any) -> None:
+        self.rows.append(["-" if c is None or c == "" else str(c) for c in cells])
+
+    def render(self, color: bool | None) -> None:
+        widths = [len(h) for h in self.headers]
+        for row in self.rows:
+            widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+        last = None
+        if sys.stdout.isatty():
+            room = (
+                shutil.get_terminal_size((120, 24)).columns
+                - self.indent
+                - sum(widths[:-1])
+                - 2 * (len(widths) - 1)
+            )
+            last = max(room, len(self.headers[-1]), 12)
+
+        def line(cells: list[str], header: bool) -> str:
+            out = []
+            for i, cell in enumerate(cells):
+                if i == len(cells) - 1:
+                    text = cell if last is None or len(cell) <= last else cell[: last - 1] + "…"
+                else:
+                    text = cell.ljust(widths[i])
+                if header:
+                    text = click.style(text, bold=True)
+                elif i in self.paint:
+                    text = self.paint[i](text)
+                out.append(text)
+            return " " * self.indent + "  ".join(out).rstrip()
+
+        click.echo(line(self.headers, True), color=color)
+        for row in self.rows:
+            click.echo(line(row, False), color=color)
+
+
+def _paint_state(text: str) -> str:
+    try:
+        state = State(text.strip())
+    except ValueError:
+        return text
+    return click.style(text, fg=STATE_COLORS[state], bold=state is State.WAIT_MANUAL)
