@@ -43,15 +43,15 @@ from _common import (
 SOURCE = """
 from celery_lease import LeasedTask
 
-@app.task(name="b.plain")
+@app.task(shared=False, name="b.plain")
 def plain(i):
     return i
 
-@app.task(base=LeasedTask, name="b.leased")
+@app.task(base=LeasedTask, shared=False, name="b.leased")
 def leased(i):
     return i
 
-@app.task(base=LeasedTask, bind=True, name="b.retry_once", max_retries=3)
+@app.task(base=LeasedTask, bind=True, shared=False, name="b.retry_once", max_retries=3)
 def retry_once(self, i):
     if self.request.retries == 0:
         raise self.retry(countdown=0.5)
@@ -93,7 +93,7 @@ def _measure_submission(ctx: Context, backend: str, url: str, schema: str | None
 
     from celery_lease._runtime import runtime
 
-    n = ctx.scale(2000, 200)
+    n = ctx.scale(2000, 100)
     rounds = ctx.scale(5, 1)
     project = _project(ctx, url, schema)
     module = project.load()
@@ -131,7 +131,7 @@ def _retry_latency(ctx: Context) -> dict[str, Any]:
     from celery_lease import State
     from celery_lease._runtime import runtime
 
-    n = ctx.scale(40, 6)
+    n = ctx.scale(40, 4)
     project = _project(ctx, store_url("sqlite", ctx, "retry"), None)
     module = project.load()
     store = runtime(module.app).store
@@ -175,7 +175,7 @@ def _retry_latency(ctx: Context) -> dict[str, Any]:
 
 def run(ctx: Context) -> Section:
     """Bulk submission against a plain Celery group, and retry latency."""
-    section = Section("bulk", "Bulk submission and retry latency")
+    section = Section("bulk", "8. Bulk submission and retry latency")
     rows = _measure_submission(ctx, "sqlite", store_url("sqlite", ctx, "bulk"), None)
     with pg_schema("bulk") as schema:
         rows += _measure_submission(ctx, "postgresql", store_url("postgresql", ctx, "bulk"), schema)

@@ -168,7 +168,9 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         retrying = _retrying.get()
         if retrying is not None and task_id == retrying.task_id:
             # Celery's own retry() publishing the retry's message: it goes through the row
-            return self._publish_retry(retrying, args, kwargs, producer, options)
+            return self._publish_retry(
+                retrying, args, kwargs, producer, link, link_error, shadow, options
+            )
         rt = runtime(app)
         task_id = task_id or uuid()
         # checked first: arguments that cannot be stored raise before Celery runs
@@ -685,9 +687,13 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         args: Any,
         kwargs: Any,
         producer: Any,
+        link: Any,
+        link_error: Any,
+        shadow: str | None,
         options: dict[str, Any],
     ) -> AsyncResult:  # type: ignore[type-arg]
-        """The message of Celery's retry(): stored in the row (fenced), then sent."""
+        """The message of Celery's retry() (its ``link``, ``link_error`` and ``shadow``
+        too): stored in the row (fenced), then sent."""
         rt = runtime(self.app)
         options.pop("task_id", None)
         countdown = options.get("countdown")
@@ -699,7 +705,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         else:
             delay = 0.0
         outgoing = _message.build(
-            self, args, kwargs, execution.task_id, producer=producer, **options
+            self, args, kwargs, execution.task_id, link, link_error, shadow, producer, **options
         )
         limit = self.max_retries if options.get("max_retries") is None else options["max_retries"]
         retries = execution.claim.retries

@@ -40,6 +40,7 @@ from ..config import LeaseConfig
 from ..exceptions import SchemaOutOfDate
 from ..states import STEP_STARTED, Actor, State
 from . import migrations
+from ._backlog import BacklogMixin
 from ._base import StoreBase, TransitionEvent, bind, state_is
 from ._bulk import BulkMixin
 from ._health import HealthMixin
@@ -91,6 +92,7 @@ class Store(
     RetentionMixin,
     HealthMixin,
     PausesMixin,
+    BacklogMixin,
     SubmitManyMixin,
     StoreBase,
 ):
