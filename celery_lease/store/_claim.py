@@ -93,7 +93,11 @@ class ClaimMixin(StoreBase):
                 ).first()
                 if row is not None and row.state == State.PENDING.value and row[2]:
                     return Refusal(task_id, State.PENDING, "arrived before its ETA", early=True)
-                if row is None and adopt is not None:
+                if row is not None and row.state == State.PENDING.value:
+                    # its ETA came between the claim and the read (a retry is delivered
+                    # at its ETA, to the millisecond): claim it now
+                    rows = move(conn)
+                elif row is None and adopt is not None:
                     self._adopt(conn, adopt() if callable(adopt) else adopt)
                     adopted = True
                     rows = move(conn)  # an adopted row has no ETA: due at once
@@ -103,7 +107,7 @@ class ClaimMixin(StoreBase):
                         t.c.id == task_id
                     )
                     rows = list(conn.execute(again))
-                else:
+                if not rows:
                     state = State(row.state) if row is not None else None
                     why = "no row for this message" if row is None else f"task is {state}"
                     return Refusal(task_id, state, why)

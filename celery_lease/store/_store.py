@@ -9,6 +9,7 @@ The operations live in one mixin per job; this module assembles them.
 
 from __future__ import annotations
 
+from ._backlog import BacklogMixin
 from ._base import StoreBase
 from ._bulk import BulkMixin
 from ._claim import ClaimMixin
@@ -22,6 +23,7 @@ from ._publishing import PublishingMixin
 from ._retention import RetentionMixin
 from ._setup import SetupMixin
 from ._steps import StepsMixin
+from ._submit_many import SubmitManyMixin
 from ._workers import WorkersMixin
 
 
@@ -39,6 +41,8 @@ class Store(
     RetentionMixin,
     HealthMixin,
     PausesMixin,
+    BacklogMixin,
+    SubmitManyMixin,
     StoreBase,
 ):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""

@@ -14,7 +14,7 @@ from celery import chain, chord
 from celery_lease import State
 
 from ..crash.support import LeaseEnv
-from ..helpers import ExternalSystem
+from ..helpers import ExternalSystem, wait_until
 
 PROJECT = """
 from celery_lease import LeasedTask
@@ -22,6 +22,12 @@ from celery_lease import LeasedTask
 @app.task(base=LeasedTask, shared=False, name="f.double")
 def double(x):
     return 2 * x
+
+@app.task(base=LeasedTask, bind=True, shared=False, name="f.retry_once", max_retries=2)
+def retry_once(self, x):
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.1)
+    return x + 1
 
 @app.task(base=LeasedTask, shared=False, name="f.total")
 def total(values):
@@ -58,11 +64,21 @@ def test_chain_link_and_chord_follow_ups_run_once_as_leased_tasks(
 
     chained = chain(double.s(1), double.s(), double.s()).apply_async()
     linked = double.apply_async((5,), link=double.s())
+    # a retry keeps the callbacks of its delivery (Celery passes them to its retry)
+    retried = app.tasks["f.retry_once"].apply_async((40,), link=double.s())
     chorded = chord(double.s(i) for i in range(4))(total.s())
 
     assert chained.get(timeout=60) == 8
     assert chorded.get(timeout=60) == 12
     assert linked.get(timeout=60) == 10
+    assert retried.get(timeout=60) == 41
+    # the callback is published by the worker after the result is stored: wait for it
+    callback = wait_until(
+        lambda: next((r for r in p.store.list_tasks(limit=100) if r.args == [41]), None),
+        timeout=30,
+        message="the retried task's link= callback was submitted",
+    )
+    assert p.wait_state(callback.id, State.SUCCEEDED, timeout=30).result == 82
     # each follow-up has its own row, SUCCEEDED on its first attempt, with its message
     followers = [chained.id, chained.parent.id, chorded.id]
     for task_id in followers:
