@@ -150,7 +150,7 @@ def scenario(ctx: Context, broker: str, age_only: bool) -> dict[str, Any]:
 
 def run(ctx: Context) -> Section:
     """Backlog multiplication."""
-    section = Section("backlog", "8. A backlog stays a backlog (Redis and RabbitMQ)")
+    section = Section("backlog", "10. A backlog stays a backlog (Redis and RabbitMQ)")
     rows = []
     for broker in ("redis", "rabbitmq"):
         for age_only in (True, False):

@@ -223,7 +223,7 @@ def run(ctx: Context) -> Section:
     from celery_lease._runtime import runtime
     from celery_lease.reaper import Reaper
 
-    section = Section("operations", "7. Retention and health figures at scale (PostgreSQL)")
+    section = Section("operations", "9. Retention and health figures at scale (PostgreSQL)")
     total = ctx.scale(int(os.environ.get("CELERY_LEASE_BENCH_OPS_ROWS", "10000000")), 30_000)
     purge_for = ctx.scale(60.0, 3.0)
     app = Celery("bench-operations", set_as_current=False)
