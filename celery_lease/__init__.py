@@ -5,6 +5,7 @@ optional dedup key, per-step checkpoints and a heartbeat lease; a reaper moves
 tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
+from ._bulk_submit import Submitted, bulk
 from ._outbox import outbox_transaction
 from ._runtime import install
 
@@ -61,6 +62,7 @@ __all__ = [
     "StepRecord",
     "StoreError",
     "StoreUnavailable",
+    "Submitted",
     "TaskCancelled",
     "TaskFailed",
     "TaskNotFound",
@@ -69,6 +71,7 @@ __all__ = [
     "WorkerRecord",
     "__version__",
     "admin",
+    "bulk",
     "install",
     "outbox_transaction",
     "reap",

@@ -61,7 +61,16 @@ _PUBLISH_ARGS = frozenset(
 
 
 class _NoConnection:
-    """What ``send_task`` asks of ``producer.connection`` while a message is captured."""
+    """What ``send_task`` asks of ``producer.connection`` while a message is captured.
+
+    A task published from inside a worker (a chain's next task, a chord's body, a
+    ``link`` callback) goes through Celery's callback-retry path, which reads the
+    connection's recoverable errors: nothing is sent here, so none can occur."""
+
+    recoverable_connection_errors: tuple[type[BaseException], ...] = ()
+    recoverable_channel_errors: tuple[type[BaseException], ...] = ()
+    connection_errors: tuple[type[BaseException], ...] = ()
+    channel_errors: tuple[type[BaseException], ...] = ()
 
     @contextlib.contextmanager
     def _reraise_as_library_errors(self) -> Iterator[None]:

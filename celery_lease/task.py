@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -18,6 +18,7 @@ from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import _message, _publisher
+from ._bulk_submit import Submitted, collecting, submit_many
 from ._crashpoints import armed, crash_point, step_crash_point
 from ._execution import Execution, StoreDownDuringTask, encode
 from ._limits import Schedule, check_submission
@@ -168,7 +169,9 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         retrying = _retrying.get()
         if retrying is not None and task_id == retrying.task_id:
             # Celery's own retry() publishing the retry's message: it goes through the row
-            return self._publish_retry(retrying, args, kwargs, producer, options)
+            return self._publish_retry(
+                retrying, args, kwargs, producer, link, link_error, shadow, options
+            )
         rt = runtime(app)
         task_id = task_id or uuid()
         # checked first: arguments that cannot be stored raise before Celery runs
@@ -180,6 +183,11 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         new = self._new_row(
             rt.config, task_id, args_text, kwargs_text, dedup_key, options, when, outgoing.stored()
         )
+        if connection is None and dedup_key is None:
+            batch = collecting(app)
+            if batch is not None:  # inside celery_lease.bulk(): written when the block ends
+                batch.add(new, outgoing, producer)
+                return outgoing.result
         if connection is not None:
             from ._outbox import submit_in_transaction
 
@@ -190,6 +198,29 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             logger.info("task %s[%s]: already submitted (dedup), nothing published", self.name, tid)
             return self.AsyncResult(tid)
         return self._publish(rt, outgoing, producer)
+
+    def submit_many(
+        self, items: Iterable[Sequence[Any] | Mapping[str, Any]], **options: Any
+    ) -> list[Submitted]:
+        """Submit this task once per item, the rows written in multi-row statements (a
+        few hundred per statement), then the messages published.
+
+        Each item is an ``(args, kwargs)`` pair or a dict with keys among ``args``,
+        ``kwargs``, ``dedup_key``, ``countdown``, ``eta`` and ``task_id``; ``options``
+        (``queue``, ``expires``, ...) apply to every item, as for ``apply_async``. Every
+        item is checked and its message built before anything is written.
+
+        Returns:
+            One :class:`~celery_lease.Submitted` per item, in order: its result handle
+            and whether it was created (``False``: a task with the same dedup key
+            existed, and nothing was published for this item).
+
+        Raises:
+            TypeError: an item is neither a pair nor a dict of the keys above.
+            NotSerializable, InvalidSubmission: as ``apply_async``, for the first bad
+                item (nothing is written).
+        """
+        return submit_many(self, items, options)
 
     def _encode_arguments(self, args: Any, kwargs: Any) -> tuple[str, str]:
         return (
@@ -660,9 +691,13 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         args: Any,
         kwargs: Any,
         producer: Any,
+        link: Any,
+        link_error: Any,
+        shadow: str | None,
         options: dict[str, Any],
     ) -> AsyncResult:  # type: ignore[type-arg]
-        """The message of Celery's retry(): stored in the row (fenced), then sent."""
+        """The message of Celery's retry() (its ``link``, ``link_error`` and ``shadow``
+        too): stored in the row (fenced), then sent."""
         rt = runtime(self.app)
         options.pop("task_id", None)
         countdown = options.get("countdown")
@@ -674,7 +709,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         else:
             delay = 0.0
         outgoing = _message.build(
-            self, args, kwargs, execution.task_id, producer=producer, **options
+            self, args, kwargs, execution.task_id, link, link_error, shadow, producer, **options
         )
         limit = self.max_retries if options.get("max_retries") is None else options["max_retries"]
         retries = execution.claim.retries

@@ -51,6 +51,10 @@ DEFAULTS = {
     "retention_batch_size": 1000,
     "send_events": True,
     "result_backend_sync": True,
+    "outcome_write_through": False,
+    "outcome_batch_size": 100,
+    "outcome_flush_interval": 0.005,
+    "outcome_buffer": 1000,
 }
 
 
@@ -59,6 +63,16 @@ def test_defaults():
     resolved = {**DEFAULTS, "database_url": resolve_database_url(DEFAULTS["database_url"])}
     assert resolved["database_url"] == f"sqlite:///{os.path.abspath('celery-lease.sqlite3')}"
     assert dataclasses.asdict(LeaseConfig()) == resolved
+
+
+def test_outcome_settings_are_validated():
+    assert from_mapping({"lease_outcome_flush_interval": 0}).outcome_flush_interval == 0.0
+    assert from_mapping({"lease_outcome_write_through": "yes"}).outcome_write_through is True
+    with pytest.raises(ConfigurationError, match="lease_outcome_flush_interval"):
+        LeaseConfig(outcome_flush_interval=-1)
+    for key in ("lease_outcome_batch_size", "lease_outcome_buffer"):
+        with pytest.raises(ConfigurationError, match=key):
+            from_mapping({key: 0})
 
 
 def test_empty_mapping_gives_the_defaults():
