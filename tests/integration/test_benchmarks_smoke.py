@@ -81,3 +81,10 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
     assert sections["contention"]["claims"]["double_claims"] == 0
     assert sections["reaper"]["plans"] >= 4
     assert sections["reaper"]["seq_scans"] == 0
+    # both outcome paths ran: the default one through the worker's outcome writer (its
+    # statements counted), and write-through in the pool processes
+    counts = sections["overhead"]["counts"]
+    assert counts["LeasedTask, PostgreSQL"]["outcomes"]["statements"] > 0
+    assert counts["LeasedTask, PostgreSQL, write-through"]["outcomes"]["statements"] == 0
+    rounds = {(r["variant"], r["pool"]) for r in sections["overhead"]["rounds"]}
+    assert {("LeasedTask, PostgreSQL, write-through", p) for p in ("prefork", "threads")} <= rounds
