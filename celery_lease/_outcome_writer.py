@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import select
 import socket
 import threading
@@ -92,6 +93,8 @@ class OutcomeWriter:
         self._send.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
         self._send.settimeout(hand_over_timeout)
         self._recv.setblocking(False)
+        #: the worker's main process (the pool processes are forked from it)
+        self.owner = os.getpid()
         # read into one buffer, larger than any hand-over (never truncated)
         self._chunk = bytearray(2 * MAX_HAND_OVER)
         #: guards the buffer and reading the socket (short holds)
@@ -315,14 +318,17 @@ def hand_over(
 
     Written through: outcomes other than SUCCEEDED and CANCELLED, every outcome with
     ``lease_outcome_write_through``, a self-fenced worker's (its leases are being
-    expired), and a task with callbacks, a chain or a chord: Celery publishes those
-    follow-ups (or counts the chord) right after the outcome, so the row must be
-    final first, or a worker lost with the outcome buffered would run them again.
+    expired), a task with callbacks, a chain or a chord (Celery publishes those
+    follow-ups, or counts the chord, right after the outcome, so the row must be
+    final first, or a worker lost with the outcome buffered would run them again),
+    and a task run in the worker's main process itself (solo and threads pools, and
+    ``celery.contrib.pytest``'s in-process worker): there the caller that sees
+    Celery's result may read the row next, and it must be final.
     """
     if outcome.to not in HANDED_OVER or fenced:
         return False
     writer = _writers.get(app)
-    if writer is None or writer.closed:
+    if writer is None or writer.closed or os.getpid() == writer.owner:
         return False
     if request.chord or request.callbacks or request.errbacks or request.chain:
         return False

@@ -244,6 +244,9 @@ def test_hand_over_writes_through_what_it_must(store):
     plain = SimpleNamespace(chord=None, callbacks=None, errbacks=None, chain=None)
     linked = SimpleNamespace(chord=None, callbacks=[{"task": "x"}], errbacks=None, chain=None)
     ok = Outcome(lease, S.SUCCEEDED, "succeeded")
+    # in the writer's own process (solo, threads, an in-process test worker): through
+    assert not hand_over(app, plain, False, "tests.job", ok)
+    writer.owner = -1  # as a forked pool process sees it
     assert hand_over(app, plain, False, "tests.job", ok)
     assert not hand_over(app, plain, True, "tests.job", ok)  # self-fenced
     assert not hand_over(app, linked, False, "tests.job", ok)  # follow-ups need the row
