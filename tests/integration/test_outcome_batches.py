@@ -195,24 +195,46 @@ def test_outcomes_handed_over_by_a_forked_child_outlive_it_and_are_written(store
     writer.close()
 
 
-def test_the_writer_thread_writes_what_arrives_and_logs_a_lost_lease(store, caplog):
-    lost_id, stale, owner = running(store)
-    recover(store, lost_id, owner)
-    kept_id, kept, _ = running(store)
-    _app, writer = make_writer(store, flush_interval=0.01)
-    writer.start()
-    assert writer.hand_over(Outcome(stale, S.SUCCEEDED, "late"), "tests.job")
-    assert writer.hand_over(Outcome(kept, S.CANCELLED, "cancelled: asked"), "tests.job")
-    wait_until(lambda: writer.written + writer.rejected == 2)
-    assert (writer.written, writer.rejected) == (1, 1)
-    assert store.get(kept_id).state is S.CANCELLED
-    assert store.get(lost_id).state is not S.SUCCEEDED
-    assert any(
-        "outcome SUCCEEDED rejected, the lease was lost" in r.getMessage()
-        or "outcome State.SUCCEEDED rejected" in r.getMessage()
-        for r in caplog.records
-    )
-    assert writer.close() == 0
+def test_the_writer_thread_writes_what_arrives_and_logs_a_lost_lease(store):
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    # on the writer's own logger, enabled: an in-process worker of another test may
+    # have configured logging (propagation, levels, disabled loggers)
+    heard = Lines()
+    log = logging.getLogger("celery_lease")
+    saved = (log.disabled, log.level)
+    log.disabled = False
+    log.setLevel(logging.WARNING)
+    log.addHandler(heard)
+    try:
+        lost_id, stale, owner = running(store)
+        recover(store, lost_id, owner)
+        kept_id, kept, _ = running(store)
+        _app, writer = make_writer(store, flush_interval=0.01)
+        writer.start()
+        assert writer.hand_over(Outcome(stale, S.SUCCEEDED, "late"), "tests.job")
+        assert writer.hand_over(Outcome(kept, S.CANCELLED, "cancelled: asked"), "tests.job")
+        wait_until(lambda: writer.written + writer.rejected == 2)
+        assert (writer.written, writer.rejected) == (1, 1)
+        assert store.get(kept_id).state is S.CANCELLED
+        assert store.get(lost_id).state is not S.SUCCEEDED
+        assert any(
+            f"tests.job[{lost_id}] attempt {stale.attempt}: outcome" in line
+            and "rejected, the lease was lost" in line
+            for line in heard.lines
+        ), heard.lines
+        assert writer.close() == 0
+    finally:
+        log.removeHandler(heard)
+        log.disabled, log.level = saved
 
 
 def test_a_writer_that_cannot_keep_up_holds_the_hand_over_back(store):
