@@ -47,6 +47,8 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("recovery", "bench_recovery"),
     ("contention", "bench_contention"),
     ("bulk", "bench_bulk"),
+    ("operations", "bench_operations"),
+    ("backlog", "bench_backlog"),
 ]
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from celery import Celery, current_app, shared_task
 
 from . import _publisher
+from ._broker import backlog_guard
 from ._crashpoints import crash_point
 from ._runtime import runtime
 from .states import State
@@ -39,6 +40,8 @@ class ReapReport:
     publish_failed: int = 0
     #: Finished rows deleted by retention (``lease_retention``).
     purged: int = 0
+    #: Published rows not re-published: the broker says their queue still holds messages.
+    held: int = 0
 
     def add_expiries(self, expiries: Sequence[Expiry]) -> None:
         self.expired += len(expiries)
@@ -79,9 +82,12 @@ class Reaper:
             if len(moved) < batch:
                 break
         self.publish_due(report)
+        guard = backlog_guard(self.app, self.store.config.republish_after)
         for _ in range(MAX_BATCHES):
             rows = self.store.take_unpublished()
-            ok, failed = self.publish(rows)
+            todo, held = guard.filter(self.store, rows)  # still queued: not lost
+            report.held += held
+            ok, failed = self.publish(todo)
             report.republished += ok
             report.publish_failed += failed
             if len(rows) < batch or failed:
