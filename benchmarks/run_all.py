@@ -46,6 +46,9 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("reaper", "bench_reaper"),
     ("recovery", "bench_recovery"),
     ("contention", "bench_contention"),
+    ("bulk", "bench_bulk"),
+    ("operations", "bench_operations"),
+    ("backlog", "bench_backlog"),
 ]
 
 

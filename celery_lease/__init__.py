@@ -5,6 +5,7 @@ optional dedup key, per-step checkpoints and a heartbeat lease; a reaper moves
 tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
+from ._bulk_submit import Submitted, bulk
 from ._outbox import outbox_transaction
 from ._runtime import install
 
@@ -28,6 +29,7 @@ from .exceptions import (
     StoreError,
     StoreUnavailable,
     TaskCancelled,
+    TaskFailed,
     TaskNotFound,
 )
 from .reaper import ReapReport, reap
@@ -60,13 +62,16 @@ __all__ = [
     "StepRecord",
     "StoreError",
     "StoreUnavailable",
+    "Submitted",
     "TaskCancelled",
+    "TaskFailed",
     "TaskNotFound",
     "TaskRecord",
     "TransitionRecord",
     "WorkerRecord",
     "__version__",
     "admin",
+    "bulk",
     "install",
     "outbox_transaction",
     "reap",

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery._state import get_current_task
+from celery.exceptions import Ignore
 
 from ._crashpoints import armed, step_crash_point
 from .exceptions import DuplicateStep, LeaseLost, NotSerializable, TaskCancelled
@@ -27,6 +28,20 @@ def encode(what: str, value: Any, limit: int | None = None) -> str:
     if limit is not None and len(text) > limit:
         raise NotSerializable(what, ValueError(f"{len(text)} bytes, over the {limit}-byte limit"))
     return text
+
+
+class StoreDownDuringTask(Ignore):
+    """The lease store failed while a delivery was claimed or ran (raised from the pool
+    child). An ``Ignore`` to Celery, so nothing reports FAILURE for a task that will run
+    again; the worker's main process sees it and expires the lease (or publishes the
+    delivery again) as soon as the database answers."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.reason,))
 
 
 def _task_name() -> str | None:
@@ -50,6 +65,8 @@ class Execution:
         self.lease = claim.lease
         #: Set once the outcome (or a retry) has been written: nothing more is written.
         self.finished = False
+        #: The error that made the task call ``retry()`` (for the audit trail).
+        self.retry_error: str | None = None
         self._fenced = fenced
         self._check_interval = check_interval
         self._checked_at = time.monotonic()

@@ -36,6 +36,7 @@ from .store._base import TransitionEvent
 from .store._engine import wrap
 
 if TYPE_CHECKING:
+    from ._message import Outgoing
     from ._runtime import Runtime
     from .store import Store
     from .task import LeasedTask
@@ -124,13 +125,8 @@ def submit_in_transaction(
     rt: Runtime,
     new: NewTask,
     connection: Any,
-    args: Any,
-    kwargs: Any,
+    outgoing: Outgoing,
     producer: Any,
-    link: Any,
-    link_error: Any,
-    shadow: str | None,
-    options: dict[str, Any],
 ) -> AsyncResult:  # type: ignore[type-arg]
     """Insert the row with ``connection`` and publish once its transaction commits.
 
@@ -157,7 +153,7 @@ def submit_in_transaction(
 
     def publish() -> None:
         rt.store._dispatch(events)
-        task._publish(rt, tid, args, kwargs, producer, link, link_error, shadow, options)
+        task._publish(rt, outgoing, producer)
 
     if session is not None:
         holder = session.get_nested_transaction() or session.get_transaction()

@@ -145,6 +145,22 @@ class TaskNotFound(LeaseError):
         super().__init__(task_id, None, f"no leased task with id {task_id!r}")
 
 
+class TaskFailed(CeleryLeaseError):
+    """What the result backend holds for a task whose row ended FAILED without its own
+    exception (an operator's ``fail``): ``AsyncResult.get()`` raises it."""
+
+    def __init__(self, task_id: str, reason: str | None = None, actor: str | None = None) -> None:
+        self.task_id = task_id
+        self.reason = reason
+        self.actor = actor
+        # the arguments, not the text: a result backend rebuilds it as TaskFailed(*args)
+        super().__init__(task_id, reason, actor)
+
+    def __str__(self) -> str:
+        by = f" by {self.actor}" if self.actor else ""
+        return f"task {self.task_id} failed{by}" + (f": {self.reason}" if self.reason else "")
+
+
 class TaskCancelled(CeleryLeaseError):
     """Raised inside a running task at a step boundary after an operator asked to cancel it."""
 

@@ -34,6 +34,8 @@ from typing import Any
 
 from celery import Celery
 
+from ._message import request_context
+from .exceptions import TaskFailed
 from .records import TaskRecord
 from .states import CELERY_REPORTS, State
 from .store import Store, TransitionEvent
@@ -54,12 +56,15 @@ EVENT_TYPES: dict[State, str] = {
 
 #: The state written to the result backend for each lease state (``TIMEOUT`` also
 #: stands for a timeout already moved on to RETRY_WAIT: the task waits for its retry).
+#: The lease's own states are not ready to Celery (``AsyncResult.get()`` waits); the
+#: final ones are Celery's: FAILED is ``FAILURE`` (errbacks and a chord's error run),
+#: CANCELLED is ``REVOKED`` (as a revoked task), SUCCEEDED is ``SUCCESS``.
 BACKEND_STATES: dict[State, str] = {
     State.TIMEOUT: "TIMEOUT",
     State.RETRY_WAIT: "TIMEOUT",
     State.WAIT_MANUAL: "WAIT_MANUAL",
-    State.CANCELLED: "CANCELLED",
-    State.FAILED: "FAILED",
+    State.CANCELLED: "REVOKED",
+    State.FAILED: "FAILURE",
     State.PENDING: "PENDING",
     State.SUCCEEDED: "SUCCESS",
 }
@@ -315,7 +320,6 @@ class Notifier:
     # -- result backend ---------------------------------------------------------------
 
     def _store_result(self, event: TransitionEvent, record: TaskRecord | None) -> None:
-        from celery.app.task import Context
         from celery.backends.base import DisabledBackend
 
         app = self.app
@@ -330,24 +334,28 @@ class Notifier:
         except RuntimeError:  # an app that must be finalized explicitly and was not
             task = None
         ignore = task.ignore_result if task is not None else app.conf.task_ignore_result
-        if ignore:
+        request = _request(app, event, name, record)
+        if ignore and not request.chord:
             return
-        state = BACKEND_STATES[event.to_state]
-        if state == "SUCCESS":
+        task_id = event.task_id
+        to = event.to_state
+        if to is State.SUCCEEDED:
+            # an operator's resolve: the final result, counted in a chord, and the
+            # callbacks and the rest of a chain run with it, as after a run
             result: Any = record.result if record is not None else None
-        else:
-            result = result_meta(app, event, record)
-        request = Context(
-            id=event.task_id,
-            task=name,
-            args=record.args if record is not None else None,
-            kwargs=record.kwargs if record is not None else None,
-            hostname=record.owner_node if record is not None else None,
-            retries=record.retries if record is not None else 0,
-            delivery_info={},
-            children=[],
-        )
-        backend.store_result(event.task_id, result, state, request=request)
+            backend.mark_as_done(task_id, result, request=request, store_result=not ignore)
+            if event.from_state is State.WAIT_MANUAL:
+                _run_follow_ups(app, request, task_id, result)
+        elif to is State.FAILED:
+            failed = TaskFailed(task_id, event.reason, event.actor)
+            backend.mark_as_failure(task_id, failed, request=request, store_result=not ignore)
+        elif to is State.CANCELLED:
+            backend.mark_as_revoked(
+                task_id, f"cancelled: {event.reason}", request=request, store_result=not ignore
+            )
+        elif not ignore:
+            state = BACKEND_STATES[to]
+            backend.store_result(task_id, result_meta(app, event, record), state, request=request)
 
     # -- task events --------------------------------------------------------------------
 
@@ -428,6 +436,48 @@ def event_fields(
         if event.to_state is State.FAILED:
             fields["traceback"] = None
     return fields
+
+
+def _request(
+    app: Celery, event: TransitionEvent, name: str | None, record: TaskRecord | None
+) -> Any:
+    """The request context of the task, as its worker would have it: from the stored
+    message (errbacks, chord, group, chain), else from the row alone."""
+    from celery.app.task import Context
+
+    if record is not None and record.message is not None:
+        try:
+            ctx = request_context(app, record.message)
+        except Exception as error:
+            _log.warning("celery-lease: message of task %s not read: %s", event.task_id, error)
+        else:
+            ctx.hostname = record.owner_node
+            ctx.retries = record.retries
+            return ctx
+    return Context(
+        id=event.task_id,
+        task=name,
+        args=record.args if record is not None else None,
+        kwargs=record.kwargs if record is not None else None,
+        hostname=record.owner_node if record is not None else None,
+        retries=record.retries if record is not None else 0,
+        delivery_info={},
+        children=[],
+    )
+
+
+def _run_follow_ups(app: Celery, request: Any, task_id: str, result: Any) -> None:
+    """What Celery's tracer does after a task succeeds: its callbacks, then the next task
+    of its chain, each with the result."""
+    from celery import signature
+
+    root_id = request.root_id or task_id
+    for callback in request.callbacks or ():
+        signature(callback, app=app).apply_async((result,), parent_id=task_id, root_id=root_id)
+    chain = list(request.chain or ())
+    if chain:
+        following = signature(chain.pop(), app=app)
+        following.apply_async((result,), chain=chain, parent_id=task_id, root_id=root_id)
 
 
 # -- wiring -------------------------------------------------------------------------------

@@ -8,15 +8,14 @@ embedded in every worker's main process (behind a database lock), and from
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import socket
 from collections.abc import Sequence
-from typing import Any
 
 from celery import Celery, current_app, shared_task
-from kombu.exceptions import OperationalError as KombuOperationalError
 
+from . import _publisher
+from ._broker import backlog_guard
 from ._crashpoints import crash_point
 from ._runtime import runtime
 from .states import State
@@ -41,6 +40,8 @@ class ReapReport:
     publish_failed: int = 0
     #: Finished rows deleted by retention (``lease_retention``).
     purged: int = 0
+    #: Published rows not re-published: the broker says their queue still holds messages.
+    held: int = 0
 
     def add_expiries(self, expiries: Sequence[Expiry]) -> None:
         self.expired += len(expiries)
@@ -81,9 +82,12 @@ class Reaper:
             if len(moved) < batch:
                 break
         self.publish_due(report)
+        guard = backlog_guard(self.app, self.store.config.republish_after)
         for _ in range(MAX_BATCHES):
             rows = self.store.take_unpublished()
-            ok, failed = self.publish(rows)
+            todo, held = guard.filter(self.store, rows)  # still queued: not lost
+            report.held += held
+            ok, failed = self.publish(todo)
             report.republished += ok
             report.publish_failed += failed
             if len(rows) < batch or failed:
@@ -122,42 +126,7 @@ class Reaper:
 
     def publish(self, rows: Sequence[Publishable]) -> tuple[int, int]:
         """Publish PENDING rows' messages; rows left unpublished are retried after the grace."""
-        sent: list[str] = []
-        failed = 0
-        for row in rows:
-            if row.args is None:
-                logger.error(
-                    "task %s[%s]: arguments were not stored, cannot publish; "
-                    "it needs a person (`celery lease show %s`)",
-                    row.name,
-                    row.id,
-                    row.id,
-                )
-                failed += 1
-                continue
-            options: dict[str, Any] = json.loads(row.options) if row.options else {}
-            try:
-                self.app.send_task(
-                    row.name,
-                    args=json.loads(row.args),
-                    kwargs=json.loads(row.kwargs) if row.kwargs else {},
-                    task_id=row.id,
-                    retries=row.retries,
-                    countdown=row.countdown,
-                    **options,
-                )
-            except (KombuOperationalError, ConnectionError, OSError) as error:
-                logger.warning(
-                    "reaper: broker unavailable, %d rows left to publish later: %s",
-                    len(rows) - len(sent),
-                    error,
-                )
-                failed += len(rows) - len(sent)
-                break
-            sent.append(row.id)
-        if sent:
-            self.store.mark_published(sent)
-        return len(sent), failed
+        return _publisher.publish(self.app, self.store, rows)
 
 
 def reap(app: Celery, actor: str | None = None) -> ReapReport:

@@ -49,6 +49,8 @@ class TaskRecord:
     cancel_requested_at: datetime | None = None
     cancel_actor: str | None = None
     cancel_reason: str | None = None
+    #: The message Celery built for the task, as stored (JSON text).
+    message: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (times as ISO 8601)."""

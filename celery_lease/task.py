@@ -7,8 +7,8 @@ import dataclasses
 import functools
 import hashlib
 import logging
-from collections.abc import Callable
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, ClassVar
 
 from celery import Task
@@ -17,10 +17,11 @@ from celery.result import AsyncResult
 from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from . import policy
+from . import _message, _publisher
+from ._bulk_submit import Submitted, collecting, submit_many
 from ._crashpoints import armed, crash_point, step_crash_point
-from ._execution import Execution, encode
-from ._limits import check_submission
+from ._execution import Execution, StoreDownDuringTask, encode
+from ._limits import Schedule, check_submission
 from ._runtime import install, runtime
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
@@ -39,6 +40,26 @@ _ON_EXHAUSTED = ("fail", "manual")
 _current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
     "celery_lease_execution", default=None
 )
+#: Set while Celery's own ``retry()`` runs for this execution: the message it publishes
+#: is the retry's, and goes through the row.
+_retrying: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
+    "celery_lease_retrying", default=None
+)
+
+
+def _aware_eta(app: Any, eta: Any) -> datetime | None:
+    """An ETA as Celery's worker reads it: ISO text parsed, a naive time in the app's
+    timezone."""
+    if eta is None:
+        return None
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if not isinstance(eta, datetime):
+        raise TypeError(f"eta must be a datetime or an ISO 8601 string, got {eta!r}")
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=app.timezone)
+    aware: datetime = eta
+    return aware
 
 
 class LeasedTask(Task):  # type: ignore[type-arg]
@@ -127,7 +148,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         connection: Any = None,
         **options: Any,
     ) -> AsyncResult:  # type: ignore[type-arg]
-        """Write the task's row (PENDING), then publish its message.
+        """Write the task's row (PENDING) with the message Celery built, then publish it.
 
         ``dedup_key``: a second submission with the same key returns the first task's
         result handle and publishes nothing. ``connection``: a SQLAlchemy ``Connection``
@@ -144,47 +165,110 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
+        retrying = _retrying.get()
+        if retrying is not None and task_id == retrying.task_id:
+            # Celery's own retry() publishing the retry's message: it goes through the row
+            return self._publish_retry(
+                retrying, args, kwargs, producer, link, link_error, shadow, options
+            )
         rt = runtime(app)
-        new = self._new_row(rt.config, task_id or uuid(), args, kwargs, dedup_key, options)
+        task_id = task_id or uuid()
+        # checked first: arguments that cannot be stored raise before Celery runs
+        args_text, kwargs_text = self._encode_arguments(args, kwargs)
+        when = self._check(rt.config, task_id, dedup_key, args_text, kwargs_text, options)
+        outgoing = _message.build(
+            self, args, kwargs, task_id, link, link_error, shadow, producer, **options
+        )
+        new = self._new_row(
+            rt.config, task_id, args_text, kwargs_text, dedup_key, options, when, outgoing.stored()
+        )
+        if connection is None and dedup_key is None:
+            batch = collecting(app)
+            if batch is not None:  # inside celery_lease.bulk(): written when the block ends
+                batch.add(new, outgoing, producer)
+                return outgoing.result
         if connection is not None:
             from ._outbox import submit_in_transaction
 
-            return submit_in_transaction(
-                self, rt, new, connection, args, kwargs, producer, link, link_error, shadow, options
-            )
+            return submit_in_transaction(self, rt, new, connection, outgoing, producer)
         tid, created = rt.store.submit(new)
         crash_point("after_insert")
         if not created:
             logger.info("task %s[%s]: already submitted (dedup), nothing published", self.name, tid)
             return self.AsyncResult(tid)
-        return self._publish(rt, tid, args, kwargs, producer, link, link_error, shadow, options)
+        return self._publish(rt, outgoing, producer)
 
-    def _new_row(
+    def submit_many(
+        self, items: Iterable[Sequence[Any] | Mapping[str, Any]], **options: Any
+    ) -> list[Submitted]:
+        """Submit this task once per item, the rows written in multi-row statements (a
+        few hundred per statement), then the messages published.
+
+        Each item is an ``(args, kwargs)`` pair or a dict with keys among ``args``,
+        ``kwargs``, ``dedup_key``, ``countdown``, ``eta`` and ``task_id``; ``options``
+        (``queue``, ``expires``, ...) apply to every item, as for ``apply_async``. Every
+        item is checked and its message built before anything is written.
+
+        Returns:
+            One :class:`~celery_lease.Submitted` per item, in order: its result handle
+            and whether it was created (``False``: a task with the same dedup key
+            existed, and nothing was published for this item).
+
+        Raises:
+            TypeError: an item is neither a pair nor a dict of the keys above.
+            NotSerializable, InvalidSubmission: as ``apply_async``, for the first bad
+                item (nothing is written).
+        """
+        return submit_many(self, items, options)
+
+    def _encode_arguments(self, args: Any, kwargs: Any) -> tuple[str, str]:
+        return (
+            encode(f"arguments of {self.name}", list(args or ())),
+            encode(f"keyword arguments of {self.name}", dict(kwargs or {})),
+        )
+
+    def _check(
         self,
         config: LeaseConfig,
         task_id: str,
-        args: Any,
-        kwargs: Any,
         dedup_key: str | None,
+        args_text: str,
+        kwargs_text: str,
         options: dict[str, Any],
-    ) -> NewTask:
-        args_text = encode(f"arguments of {self.name}", list(args or ()))
-        kwargs_text = encode(f"keyword arguments of {self.name}", dict(kwargs or {}))
-        routing: dict[str, Any] = {}
-        for key in _ROUTING_OPTIONS:
-            value = options.get(key)
-            if value is not None:
-                routing[key] = getattr(value, "name", value)
-        when = check_submission(
+    ) -> Schedule:
+        """The documented limits of a submission, checked before anything is built or
+        written; its schedule (a naive ``eta`` is in the app's timezone, as Celery's
+        worker reads it)."""
+        eta = options.get("eta")
+        if isinstance(eta, datetime) and eta.tzinfo is None:
+            eta = eta.replace(tzinfo=self.app.timezone)
+        return check_submission(
             task_name=self.name,
             task_id=task_id,
             dedup_key=dedup_key,
             args_text=args_text,
             kwargs_text=kwargs_text,
             countdown=options.get("countdown"),
-            eta=options.get("eta"),
+            eta=eta,
             args_max_bytes=config.args_max_bytes,
         )
+
+    def _new_row(
+        self,
+        config: LeaseConfig,
+        task_id: str,
+        args_text: str,
+        kwargs_text: str,
+        dedup_key: str | None,
+        options: dict[str, Any],
+        when: Schedule,
+        message: str | None,
+    ) -> NewTask:
+        routing: dict[str, Any] = {}
+        for key in _ROUTING_OPTIONS:
+            value = options.get(key)
+            if value is not None:
+                routing[key] = getattr(value, "name", value)
         return NewTask(
             id=task_id,
             name=self.name,
@@ -194,43 +278,30 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             dedup_key=dedup_key,
             countdown=when.countdown,
             eta=when.eta,
+            message=message,
             **self.lease_options(config),
         )
 
-    def _publish(
-        self,
-        rt: Any,
-        task_id: str,
-        args: Any,
-        kwargs: Any,
-        producer: Any,
-        link: Any,
-        link_error: Any,
-        shadow: str | None,
-        options: dict[str, Any],
-    ) -> AsyncResult:  # type: ignore[type-arg]
+    def _publish(self, rt: Any, outgoing: _message.Outgoing, producer: Any) -> AsyncResult:  # type: ignore[type-arg]
+        """Send a message whose row is committed (PENDING, not yet marked published)."""
+        task_id = outgoing.task_id
         try:
-            result = super().apply_async(
-                args, kwargs, task_id, producer, link, link_error, shadow, **options
-            )
+            _message.send(self.app, outgoing, producer)
         except (KombuOperationalError, ConnectionError, OSError) as error:
-            # the row is the outbox: the reaper publishes it once the broker is back
+            # the row is the outbox: the reaper publishes its message once the broker is back
             logger.warning(
                 "task %s[%s] recorded but not published (%s): the reaper will publish it",
                 self.name,
                 task_id,
                 error,
             )
-            return self.AsyncResult(task_id)
-        except Exception:
-            rt.store.discard_unpublished(task_id)
-            raise
+            return outgoing.result
         crash_point("after_publish")
         # recorded a few ms later, with others, or inside this process's next submit: if
         # that never happens the row is re-published after lease_publish_grace and the
         # extra message is dropped at claim
         rt.store.mark_published_soon(task_id)
-        return result
+        return outgoing.result
 
     # -- worker: claim, run, outcome ---------------------------------------------------
 
@@ -240,6 +311,10 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             return self.run(*args, **kwargs)
         rt = runtime(self.app)
         inc = rt.incarnation
+        if inc is None:
+            from .worker import start_in_process
+
+            inc = start_in_process(rt, req.hostname)
         if inc is None:
             raise ConfigurationError(
                 "celery-lease's worker bootstep is not running in this process: "
@@ -259,6 +334,22 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         # LeasedRequest.on_failure and the main process does it later). Any other
         # delivery goes on to the claim, which drops a copy or adopts a message without
         # a row.
+        try:
+            return self._claim_and_run(rt, inc, store, adopt, task_id, args, kwargs)
+        except StoreError as error:
+            raise StoreDownDuringTask(str(error)) from error
+
+    def _claim_and_run(
+        self,
+        rt: Any,
+        inc: Any,
+        store: Store,
+        adopt: Callable[[], NewTask],
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        req = self.request
         delay = rt.config.heartbeat_interval
         if inc.flags.fenced and self._publish_again(store, inc.actor, task_id, delay):
             logger.info(
@@ -317,12 +408,10 @@ class LeasedTask(Task):  # type: ignore[type-arg]
     ) -> bool:
         """Publish the task's message again if its row is PENDING (this delivery was not
         claimed), due in ``delay`` seconds at the earliest; whether it was."""
-        from .reaper import Reaper
-
         rows = store.take_pending([task_id])
         if delay is not None:
             rows = [dataclasses.replace(r, countdown=max(r.countdown or 0.0, delay)) for r in rows]
-        Reaper(self.app, actor=actor, store=store).publish(rows)
+        _publisher.publish(self.app, store, rows)
         return bool(rows)
 
     def _run(
@@ -363,12 +452,18 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             )
             raise
         except Reject as reject:
+            if isinstance(getattr(reject, "reason", None), StoreError):
+                # Celery's retry() wraps a failed publication of the retry: the store did
+                # not answer while the retry was recorded
+                raise reject.reason from reject  # type: ignore[attr-defined]
             if getattr(reject, "requeue", False):
+                # the broker keeps the message and delivers it again: the row waits for it
                 self._retry_outcome(
                     execution,
                     0.0,
                     "task rejected its message with requeue: retried at once",
                     repr(reject),
+                    requeued=True,
                 )
             else:
                 self._outcome(
@@ -394,9 +489,37 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             )
             raise
         stored, reason = self._encode_result(retval, result_limit)
+        if stored is None:
+            refused = self._backend_refuses(retval)
+            if refused is not None:
+                # Celery's tracer will fail to store this result and report FAILURE
+                # (EncodeError): the row says the same, not SUCCEEDED
+                self._outcome(
+                    execution,
+                    State.FAILED,
+                    reason="the result backend cannot serialize the result",
+                    error=refused,
+                )
+                return retval
         if not self._outcome(execution, State.SUCCEEDED, reason=reason, result=stored):
             raise Ignore()
         return retval
+
+    def _backend_refuses(self, value: Any) -> str | None:
+        """Why the app's result backend cannot store ``value`` (``None``: it can, or it
+        stores nothing)."""
+        from celery.backends.base import DisabledBackend
+
+        req = self.request
+        ignored = req.ignore_result if req.ignore_result is not None else self.ignore_result
+        backend = self.backend
+        if ignored or isinstance(backend, DisabledBackend):
+            return None
+        try:
+            backend.encode(backend.prepare_value(value))
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return None
 
     def _adoption(
         self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any], opts: dict[str, Any]
@@ -409,12 +532,25 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             args_text = kwargs_text = None
         info = req.delivery_info or {}
         routing = {"exchange": info.get("exchange"), "routing_key": info.get("routing_key")}
+        message: str | None = None
+        if args_text is not None:
+            # the message as Celery rebuilds it from a request (what its retry() sends):
+            # chain, callbacks, chord, limits and headers of the delivery survive
+            try:
+                sig = self.signature_from_request(req, args, kwargs)
+                options = {k: v for k, v in sig.options.items() if k != "task_id"}
+                message = _message.build(
+                    self, sig.args, sig.kwargs, req.id, add_to_parent=False, **options
+                ).stored()
+            except Exception as error:  # adopting must not fail on the message
+                logger.warning("task %s[%s]: message not stored: %s", self.name, req.id, error)
         return NewTask(
             id=req.id,
             name=self.name,
             args=args_text,
             kwargs=kwargs_text,
             options=dumps({k: v for k, v in routing.items() if v}),
+            message=message,
             **opts,
         )
 
@@ -465,7 +601,14 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         rt.store.give_up(execution.lease, actor=rt.incarnation.actor, reason=why)
 
     def _retry_outcome(
-        self, execution: Execution, delay: float, reason: str, error: str | None
+        self,
+        execution: Execution,
+        delay: float,
+        reason: str,
+        error: str | None,
+        *,
+        message: str | None = None,
+        requeued: bool = False,
     ) -> bool:
         if execution.finished:
             return False
@@ -473,7 +616,13 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         rt = runtime(self.app)
         assert rt.incarnation is not None
         return rt.store.schedule_retry(
-            execution.lease, delay, actor=rt.incarnation.actor, reason=reason, error=error
+            execution.lease,
+            delay,
+            actor=rt.incarnation.actor,
+            reason=reason,
+            error=error,
+            message=message,
+            requeued=requeued,
         )
 
     def retry(
@@ -487,22 +636,18 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         max_retries: int | None = None,
         **options: Any,
     ) -> Retry:
-        """Move the row to RETRY_WAIT; the reaper re-publishes it when due.
+        """Celery's ``retry()``, through the row: RUNNING -> RETRY_WAIT -> PENDING with
+        the retry's message (Celery builds it, chain and callbacks included), which this
+        worker publishes at once with its ETA, as plain Celery does.
 
-        The delay follows Celery's options: ``countdown``/``eta``, else
-        ``retry_backoff``/``retry_backoff_max``/``retry_jitter``, else
-        ``default_retry_delay``. Past ``max_retries`` the task ends FAILED, or
-        WAIT_MANUAL with ``on_exhausted="manual"``.
+        The delay follows Celery: ``countdown``/``eta`` (a naive ``eta`` is in the app's
+        timezone), else ``default_retry_delay``. Past ``max_retries`` the task ends
+        FAILED, or WAIT_MANUAL with ``on_exhausted="manual"``.
         """
         req = self.request
         execution = _current.get()
         if execution is None:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        if args is not None or kwargs is not None:
-            raise ConfigurationError(
-                f"task {self.name}: retry() with new arguments is not supported for leased "
-                "tasks (the row keeps the submitted arguments); save state with steps instead"
-            )
         limit = self.max_retries if max_retries is None else max_retries
         retries = execution.claim.retries
         described = f"{type(exc).__name__}: {exc}" if exc is not None else None
@@ -520,27 +665,68 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             raise self.MaxRetriesExceededError(
                 f"Can't retry {self.name}[{req.id}] args:{req.args} kwargs:{req.kwargs}"
             )
-        if countdown is None and eta is not None:
-            countdown = max(0.0, (eta - datetime.now(timezone.utc)).total_seconds())
-        delay = policy.retry_delay(
-            retries=retries,
-            countdown=countdown,
-            default_delay=float(self.default_retry_delay or 0),
-            backoff=getattr(self, "retry_backoff", False),
-            backoff_max=float(getattr(self, "retry_backoff_max", 600) or 600),
-            jitter=bool(getattr(self, "retry_jitter", True)),
+        execution.retry_error = described
+        token = _retrying.set(execution)
+        try:
+            return super().retry(
+                args,
+                kwargs,
+                exc,
+                throw,
+                _aware_eta(self.app, eta),
+                countdown,
+                max_retries,
+                **options,
+            )
+        finally:
+            _retrying.reset(token)
+
+    def _publish_retry(
+        self,
+        execution: Execution,
+        args: Any,
+        kwargs: Any,
+        producer: Any,
+        link: Any,
+        link_error: Any,
+        shadow: str | None,
+        options: dict[str, Any],
+    ) -> AsyncResult:  # type: ignore[type-arg]
+        """The message of Celery's retry() (its ``link``, ``link_error`` and ``shadow``
+        too): stored in the row (fenced), then sent."""
+        rt = runtime(self.app)
+        options.pop("task_id", None)
+        countdown = options.get("countdown")
+        eta = _aware_eta(self.app, options.get("eta"))
+        if countdown is not None:
+            delay = max(0.0, float(countdown))
+        elif eta is not None:
+            delay = max(0.0, (eta - self.app.now()).total_seconds())
+        else:
+            delay = 0.0
+        outgoing = _message.build(
+            self, args, kwargs, execution.task_id, link, link_error, shadow, producer, **options
         )
-        self._retry_outcome(
+        limit = self.max_retries if options.get("max_retries") is None else options["max_retries"]
+        retries = execution.claim.retries
+        ok = self._retry_outcome(
             execution,
             delay,
             f"retry {retries + 1} {f'of {limit}' if limit is not None else '(no limit)'}, "
             f"due in {delay:.3g} s",
-            described,
+            execution.retry_error,
+            message=outgoing.stored(),
         )
-        ret = Retry(exc=exc, when=delay)  # type: ignore[arg-type]
-        if throw:
-            raise ret
-        return ret
+        if not ok:
+            logger.warning(
+                "task %s[%s] attempt %d: retry not scheduled, the lease was lost",
+                self.name,
+                execution.task_id,
+                execution.attempt,
+            )
+            return outgoing.result
+        crash_point("after_retry_recorded")
+        return self._publish(rt, outgoing, producer)
 
     # -- inside the task: steps, progress, cancellation --------------------------------
 

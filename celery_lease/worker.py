@@ -18,10 +18,12 @@ import weakref
 from typing import Any
 
 from celery import Celery, bootsteps, signals
-from celery.exceptions import Terminated, WorkerLostError
+from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
+from celery.worker.state import task_ready
 
 from . import _stores  # noqa: F401  (registers the lease_store remote-control command)
+from ._execution import StoreDownDuringTask
 from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
 from .heartbeat import Heartbeat, renewal_config
@@ -33,6 +35,8 @@ logger = logging.getLogger("celery_lease.worker")
 
 #: The service of each app's worker main process (none in its pool children's use).
 _services: weakref.WeakKeyDictionary[Celery, WorkerService] = weakref.WeakKeyDictionary()
+#: Serializes a service started on first use in an in-process worker (its threads).
+_start_lock = threading.Lock()
 
 
 def _pid_gone(pid: int) -> bool:
@@ -296,6 +300,25 @@ def _start_service(rt: Runtime, nodename: str) -> WorkerService:
             pause = min(pause * 2, 10.0)
 
 
+def start_in_process(rt: Runtime, nodename: str | None) -> Incarnation | None:
+    """Start the worker service inside a worker whose bootstep never ran: an in-process
+    worker (solo or threads pool) started before a leased task was bound to its app,
+    such as ``celery.contrib.pytest``'s ``celery_worker`` with the task defined in the
+    test. ``None`` in a prefork child or outside a worker."""
+    from billiard.process import current_process
+
+    # a prefork pool child is a billiard Process; the solo and threads pools run in
+    # the worker's main process, which billiard calls "MainProcess"
+    if not nodename or current_process().name != "MainProcess":
+        return None
+    with _start_lock:
+        if rt.app not in _services:
+            service = _start_service(rt, nodename)
+            service.start()
+            _services[rt.app] = service
+    return rt.incarnation
+
+
 class LeaseStep(bootsteps.StartStopStep):
     """Worker bootstep: register the incarnation before the pool forks, then start the
     heartbeat and embedded reaper threads. Shutdown is handled on ``worker_shutdown``,
@@ -390,10 +413,31 @@ def _on_task_revoked(
 
 class LeasedRequest(Request):
     """Request seen by the worker's main process: expires the lease at once when the
-    pool child running it dies or hits its hard time limit (no TTL wait)."""
+    pool child running it dies or hits its hard time limit (no TTL wait).
+
+    Those deaths are the lease's to decide (retry, or a person), so Celery's own
+    handling, which would report FAILURE (result backend, ``task-failed`` event,
+    ``link_error``, a chord's error) for a task that then runs again, is skipped:
+    callers see the lease's state until the row's final one.
+    """
 
     def _service(self) -> WorkerService | None:
         return _services.get(self.task.app)
+
+    def _lease_decides(self, reason: str, *, worker_lost: bool = False) -> None:
+        """Hand a lost execution to the lease: the lease is expired at once by the main
+        process, which then re-publishes the row if the policy retries it. The message
+        is acknowledged, or requeued as Celery would (``reject_on_worker_lost``): a
+        redelivery is dropped at claim unless the row is waiting for it."""
+        task_ready(self)
+        if self.task.acks_late:
+            if worker_lost and self.task.reject_on_worker_lost:
+                self.reject(requeue=True)
+            else:
+                self.acknowledge()
+        service = self._service()
+        if service is not None:
+            service.child_lost(self.id, reason)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -401,35 +445,56 @@ class LeasedRequest(Request):
         exc = exc_info.exception
         exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback wrapper
         lost = None
-        if isinstance(exc, WorkerLostError):
+        if self._service() is None:
+            pass  # not a leased worker (the bootstep is not running): Celery decides
+        elif isinstance(exc, WorkerLostError):
             lost = f"pool child lost while running the task: {exc}"
-        elif isinstance(exc, (SystemExit, KeyboardInterrupt, Terminated)):
+        elif isinstance(exc, TimeLimitExceeded):
+            lost = f"hard time limit exceeded: {exc}"
+        elif isinstance(exc, (SystemExit, KeyboardInterrupt)) and not (
+            getattr(self, "_already_cancelled", False) or getattr(self, "_already_revoked", False)
+        ):
             lost = f"pool child terminated while running the task: {exc!r}"
-        elif isinstance(exc, StoreError):
-            # the execution stopped on a database error: its lease must not outlive it
-            # (the heartbeat is alive), and a claim that failed left its message
-            # consumed: expire / re-publish at once, retried until the database answers
-            lost = f"lease store unavailable while the task ran: {exc}"
-        try:
-            return super().on_failure(
-                exc_info, send_failed_event=send_failed_event, return_ok=return_ok
-            )
-        finally:
-            # after Celery wrote FAILURE to the result backend and sent task-failed: the
-            # lease's decision (TIMEOUT, then RETRY_WAIT or WAIT_MANUAL) must land after it
-            service = self._service()
-            if lost is not None and service is not None:
-                service.child_lost(self.id, lost)
+        else:
+            why = None
+            if isinstance(exc, Terminated):
+                # revoked with terminate: Celery reports REVOKED; the cancel request was
+                # recorded first (same queue, in order), so the expiry ends CANCELLED
+                why = f"pool child terminated while running the task: {exc!r}"
+            elif isinstance(exc, (StoreError, StoreDownDuringTask)) or isinstance(
+                getattr(exc, "reason", None), StoreError
+            ):
+                # the execution stopped on a database error: its lease must not outlive
+                # it (the heartbeat is alive), and a claim that failed left its message
+                # consumed: expire / re-publish at once, retried until the database answers
+                why = f"lease store unavailable while the task ran: {getattr(exc, 'reason', exc)}"
+            if why is not None:
+                service = self._service()
+                try:
+                    return super().on_failure(
+                        exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+                    )
+                finally:
+                    if service is not None:
+                        service.child_lost(self.id, why)
+        if lost is not None:
+            return self._lease_decides(lost, worker_lost=not isinstance(exc, TimeLimitExceeded))
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
-        try:
+        if soft or self._service() is None:
             return super().on_timeout(soft, timeout)
-        finally:
-            service = self._service()
-            if not soft and service is not None:  # after Celery's FAILURE, as above
-                service.child_lost(
-                    self.id, f"hard time limit of {timeout} s exceeded: the pool child was killed"
-                )
+        logger.error(
+            "task %s[%s]: hard time limit (%s s) exceeded; the lease decides what happens next",
+            self.name,
+            self.id,
+            timeout,
+        )
+        return self._lease_decides(
+            f"hard time limit of {timeout} s exceeded: the pool child was killed"
+        )
 
 
 __all__ = ["BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install"]

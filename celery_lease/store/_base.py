@@ -21,9 +21,13 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
     bindparam,
+    case,
+    func,
     insert,
     literal,
+    or_,
     select,
     update,
 )
@@ -35,7 +39,7 @@ from ..config import LeaseConfig
 from ..states import State
 from . import _engine
 from ._redact import safe_url
-from ._sql import db_now
+from ._sql import after, db_now, greatest
 from ._types import Lease
 from .schema import Tables, build
 
@@ -391,4 +395,44 @@ class StoreBase:
             actor=bind("b_actor", String, values),
             attempt=bind("b_attempt", Integer, values),
             at=db_now(),
+        )
+
+    # -- conditions shared by the sweeps and the reads (each written once) -------------
+
+    def _expired_condition(self) -> ColumnElement[bool]:
+        """A RUNNING row's lease has expired: its owner is unknown, stopped, or silent for
+        longer than the row's TTL (the row joined to its owner's worker row)."""
+        t, w = self.t.tasks, self.t.workers
+        return or_(
+            w.c.id.is_(None),
+            w.c.stopped_at.is_not(None),
+            after(w.c.heartbeat_at, t.c.lease_ttl) < db_now(),
+        )
+
+    def _never_published(self, slack: float = 0.0) -> ColumnElement[bool]:
+        """A PENDING row never marked published within ``lease_publish_grace`` (plus
+        ``slack`` seconds)."""
+        t = self.t.tasks
+        return and_(
+            t.c.published_at.is_(None),
+            after(t.c.updated_at, self.config.publish_grace + slack) < db_now(),
+        )
+
+    def _message_lost(self, slack: float = 0.0) -> ColumnElement[bool]:
+        """A PENDING row published but not claimed within ``lease_republish_after`` (plus
+        ``slack`` seconds), doubled per publish and capped at 64 times: a long backlog,
+        which looks like a lost message, is duplicated a few times, not flooded."""
+        t = self.t.tasks
+        backoff = case(
+            (t.c.publish_count <= 1, literal(1)),
+            (t.c.publish_count >= 7, literal(64)),
+            else_=literal(1).op("<<")(t.c.publish_count - 1),
+        )
+        return and_(
+            t.c.published_at.is_not(None),
+            after(
+                greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
+                literal(self.config.republish_after) * backoff + slack,
+            )
+            < db_now(),
         )

@@ -18,7 +18,6 @@ from sqlalchemy import (
     Row,
     Select,
     and_,
-    case,
     func,
     literal,
     literal_column,
@@ -29,7 +28,7 @@ from sqlalchemy import (
 from ..records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord, loads
 from ..states import State
 from ._base import StoreBase
-from ._sql import after, db_now, greatest, seconds_between
+from ._sql import after, db_now, seconds_between
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +105,7 @@ class ReadsMixin(StoreBase):
             cancel_requested_at=m["cancel_requested_at"],
             cancel_actor=m["cancel_actor"],
             cancel_reason=m["cancel_reason"],
+            message=m["message"],
         )
 
     def get(self, task_id: str) -> TaskRecord | None:
@@ -234,14 +234,7 @@ class ReadsMixin(StoreBase):
         q = (
             select(func.count())
             .select_from(t.outerjoin(w, w.c.id == t.c.owner))
-            .where(
-                t.c.state == State.RUNNING.value,
-                or_(
-                    w.c.id.is_(None),
-                    w.c.stopped_at.is_not(None),
-                    after(w.c.heartbeat_at, t.c.lease_ttl) < db_now(),
-                ),
-            )
+            .where(t.c.state == State.RUNNING.value, self._expired_condition())
         )
         return int(self._read(lambda conn: conn.execute(q).scalar_one()))
 
@@ -341,7 +334,6 @@ class ReadsMixin(StoreBase):
         liveness deadline (the reaper's, plus ``grace`` seconds) evaluated in database
         time."""
         t, w, tr, s = self.t.tasks, self.t.workers, self.t.transitions, self.t.steps
-        cfg = self.config
         now = db_now()
         dead_owner = and_(
             t.c.state == State.RUNNING.value,
@@ -351,26 +343,9 @@ class ReadsMixin(StoreBase):
                 after(w.c.heartbeat_at, t.c.lease_ttl + grace) < now,
             ),
         )
-        unpublished = and_(
-            t.c.state == State.PENDING.value,
-            t.c.published_at.is_(None),
-            after(t.c.updated_at, cfg.publish_grace + grace) < now,
-        )
-        # the reaper's own window (take_unpublished): republish_after doubled per publish
-        backoff = case(
-            (t.c.publish_count >= 7, literal(64)),
-            (t.c.publish_count <= 1, literal(1)),
-            else_=literal(1).op("<<")(t.c.publish_count - 1),
-        )
-        republish_overdue = and_(
-            t.c.state == State.PENDING.value,
-            t.c.published_at.is_not(None),
-            after(
-                greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
-                literal(cfg.republish_after) * backoff + grace,
-            )
-            < now,
-        )
+        # the reaper's own windows (take_unpublished), plus the grace
+        unpublished = and_(t.c.state == State.PENDING.value, self._never_published(grace))
+        republish_overdue = and_(t.c.state == State.PENDING.value, self._message_lost(grace))
         retry_overdue = and_(
             t.c.state == State.RETRY_WAIT.value, after(t.c.next_retry_at, grace) < now
         )

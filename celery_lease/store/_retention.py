@@ -74,6 +74,10 @@ class RetentionMixin(StoreBase):
                 text(FINISHED_SQL),
                 t.c.finished_at < after(db_now(), -bindparam("b_older", type_=Float)),
             )
+            # oldest first: the finished_at index drives the batch whatever share of the
+            # table is old (a sequential scan would wade through the dead rows of the
+            # batches before, until a vacuum)
+            .order_by(t.c.finished_at)
             .limit(bindparam("b_limit"))
         )
         if self.is_pg:

@@ -27,6 +27,8 @@ class NewTask:
     max_retries: int | None = None
     on_timeout: str = "retry"
     on_exhausted: str = "fail"
+    #: The message Celery built for the task (see ``celery_lease._message``).
+    message: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,8 @@ class Publishable:
     retries: int
     #: Seconds from now (database time) until the row's ETA, if in the future.
     countdown: float | None
+    #: The stored message (``None``: a row written before messages were stored).
+    message: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

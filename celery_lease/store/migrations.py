@@ -44,10 +44,20 @@ def _pauses(conn: Connection, tables: Tables) -> None:
     tables.pause_log.create(conn, checkfirst=True)
 
 
+def _task_message(conn: Connection, tables: Tables) -> None:
+    # the baseline creates today's tables, which already have the column
+    tasks = tables.tasks
+    have = {c["name"] for c in inspect(conn).get_columns(tasks.name, schema=tasks.schema)}
+    if "message" not in have:
+        preparer = conn.dialect.identifier_preparer
+        conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(tasks)} ADD COLUMN message TEXT")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
     Migration(3, "durable pauses per queue and task name, with their audit log", _pauses),
+    Migration(4, "tasks.message: the message Celery built for the task", _task_message),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

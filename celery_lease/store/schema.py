@@ -26,7 +26,7 @@ from sqlalchemy import (
 from ._sql import DbTime
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: The states retention deletes, written out as SQL so that a query naming them in the
 #: same words can use the partial index on ``finished_at`` whatever plan it gets.
@@ -93,6 +93,10 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("cancel_requested_at", DbTime()),
         Column("cancel_actor", String(255)),
         Column("cancel_reason", Text),
+        # the message Celery built for the task (JSON: headers, properties, body):
+        # every publication sends it, so chains, callbacks and limits survive. Last, as
+        # the migration that added it left it
+        Column("message", Text),
         Index(f"{prefix}tasks_dedup_key", "dedup_key", unique=True),
         Index(f"{prefix}tasks_state_created", "state", "created_at"),
         Index(f"{prefix}tasks_name_state", "name", "state"),

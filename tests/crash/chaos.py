@@ -4,8 +4,11 @@
 N real ``celery worker`` processes (prefork and threads pools mixed) on a PostgreSQL
 store and a Redis broker run a mixed workload (:data:`SOURCE`: idempotent steps, a
 non-idempotent step, retries, tasks failing by their own logic, long tasks with a
-progress cursor, cancellations, and dedup submissions raced by several producer
-processes) while a schedule drawn from one seed injects faults:
+progress cursor, cancellations, dedup submissions raced by several producer processes,
+and heads with follow-ups: a retrying head followed by a chain of two steps, ``link=``
+callbacks and chords of three heads with their callback; chords only when Redis is not
+really restarted, since the result backend's chord counters live in it) while a
+schedule drawn from one seed injects faults:
 
 - ``kill_child``: SIGKILL of the prefork pool child running a task (an idle child when
   no prefork worker runs one);
@@ -23,8 +26,10 @@ When the schedule ends, frozen workers are resumed, dead ones restarted, and the
 system is left alone. :meth:`Soak.run` then waits (bounded) until every task is
 SUCCEEDED, FAILED, CANCELLED or WAIT_MANUAL, and :func:`verify` checks the claim:
 nothing lost, nothing RUNNING, each final state allowed for its kind of task, no
-idempotent effect performed twice, no non-idempotent call repeated, every audit trail
-legal, and ``celery_lease.check.check(store, liveness=False) == []``.
+idempotent effect performed twice, no non-idempotent call repeated, no follow-up lost
+(its predecessors SUCCEEDED, it never ran) or repeated (ran twice, or without its
+predecessors), every audit trail legal, and
+``celery_lease.check.check(store, liveness=False) == []``.
 
 The schedule and the workload are drawn from ``random.Random(seed)`` before anything
 runs; which task a fault hits depends on timing, so a seed reproduces the schedule, not
@@ -48,11 +53,22 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from celery import chain, chord
+
 from celery_lease import State, TaskRecord, admin
 from celery_lease.exceptions import IllegalTransition, StoreError
 
 from ..helpers import WorkerProcess
-from .chaos_checks import FAULT_KINDS, SEED_ENV, SETTLED, Fault, Report, verify
+from .chaos_checks import (
+    FAULT_KINDS,
+    SEED_ENV,
+    SETTLED,
+    Fault,
+    FollowUp,
+    Report,
+    unsettled_followups,
+    verify,
+)
 from .faults import pg_terminate, redis_restart_losing_data
 from .support import LeasedProject
 
@@ -81,6 +97,9 @@ import time
 from celery_lease import LeasedTask, admin
 from tests.helpers import ExternalSystem
 
+# chords need a result backend: the broker's Redis database (its result keys survive
+# the soak's "queues dropped" fault, as a separate backend would)
+app.conf.result_backend = app.conf.broker_url
 external = ExternalSystem.from_env()
 
 
@@ -169,6 +188,14 @@ def long(self, key, ticks):
 def dedup(self, key):
     begin(key)
     return self.step("s0", effect, self, key, "s0", idempotent=True)
+
+
+@app.task(base=LeasedTask, bind=True, name="soak.follow")
+def follow(self, previous, key, name):
+    """A chain step, ``link=`` callback or chord callback: one idempotent effect, keyed by
+    this task's id, so a second follow-up task (a repeat) is a second effect."""
+    begin(f"{key}.{name}")
+    return self.step(name, effect, self, key, name, idempotent=True)
 '''
 
 #: kind -> (task name, relative weight in the workload)
@@ -180,7 +207,17 @@ KINDS: dict[str, tuple[str, int]] = {
     "exhaust": ("soak.exhaust", 4),
     "long": ("soak.long", 15),
     "cancel": ("soak.long", 10),
+    # heads with follow-ups (soak.follow): a retrying head (as "retry") and two chain
+    # steps; an idempotent head (as "idem") and a link= callback; a chord of three
+    # idempotent heads and its callback
+    "chain": ("soak.retry", 8),
+    "link": ("soak.idem", 6),
+    "chord": ("soak.idem", 5),
 }
+#: Kinds whose heads have follow-ups (see :meth:`Soak.submit_linked`).
+LINKED = ("chain", "link", "chord")
+#: Heads of one chord.
+CHORD_SIZE = 3
 
 # -- the plan ---------------------------------------------------------------------------
 
@@ -238,7 +275,9 @@ def make_plan(opts: Options) -> Plan:
     """Draw the workload and the fault schedule from the seed (pure: no I/O)."""
     rng = random.Random(opts.seed)
     window = opts.chaos_seconds * 0.8
-    kinds = list(KINDS)
+    # a real Redis restart also loses the result backend's chord counters (they live in
+    # Redis too): a chord then never completes, whatever the lease does
+    kinds = [k for k in KINDS if not (k == "chord" and opts.restart_redis)]
     weights = [KINDS[k][1] for k in kinds]
     dedup_keys = max(3, opts.tasks // 10)
     workload = []
@@ -248,8 +287,10 @@ def make_plan(opts: Options) -> Plan:
         at = rng.uniform(0.0, window)
         args: tuple[Any, ...]
         cancel_after = None
-        if kind == "idem":
+        if kind in ("idem", "link", "chord"):
             args = (key, rng.randint(2, 4), round(rng.uniform(0.05, 0.4), 2))
+        elif kind == "chain":
+            args = (key, rng.randint(1, 2))
         elif kind == "nonidem":
             args = (key, round(rng.uniform(0.1, 0.6), 2))
         elif kind == "retry":
@@ -505,6 +546,8 @@ class Soak:
         self.log(f"restarted {worker.nodename} (pid {worker.pid})")
 
     def submit(self, planned: Planned) -> str:
+        if planned.kind in LINKED:
+            return self.submit_linked(planned)
         name = KINDS[planned.kind][0]
         task = self.p.module.app.tasks[name]
         task_id = str(uuid.uuid4())
@@ -513,6 +556,57 @@ class Soak:
         )
         self.report.kinds[got] = planned.kind
         self.report.args[got] = planned.args
+        return got
+
+    def submit_linked(self, planned: Planned) -> str:
+        """A head with follow-ups; every id is chosen here, so a submission repeated after
+        a database error makes the same tasks (dedup by id), and each follow-up is
+        known before it runs. Returns the (first) head's id."""
+        app = self.p.module.app
+        head, follow = app.tasks[KINDS[planned.kind][0]], app.tasks["soak.follow"]
+        key = planned.args[0]
+        ids = [str(uuid.uuid4()) for _ in range(CHORD_SIZE + 2)]
+        report = self.report
+        if planned.kind == "chain":
+
+            def send() -> str:
+                sig = chain(
+                    head.s(*planned.args).set(task_id=ids[0]),
+                    follow.s(key, "c1").set(task_id=ids[1]),
+                    follow.s(key, "c2").set(task_id=ids[2]),
+                )
+                sig.apply_async(dedup_key=ids[0])
+                return ids[0]
+
+            followups = [
+                FollowUp("chain", key, "c1", ids[1], (ids[0],)),
+                FollowUp("chain", key, "c2", ids[2], (ids[1],)),
+            ]
+            heads = {ids[0]: planned.args}
+        elif planned.kind == "link":
+
+            def send() -> str:
+                callback = follow.s(key, "l1").set(task_id=ids[1])
+                head.apply_async(planned.args, task_id=ids[0], dedup_key=ids[0], link=callback)
+                return ids[0]
+
+            followups = [FollowUp("link", key, "l1", ids[1], (ids[0],))]
+            heads = {ids[0]: planned.args}
+        else:
+            members = ids[:CHORD_SIZE]
+            heads = {tid: (f"{key}h{i}", *planned.args[1:]) for i, tid in enumerate(members)}
+
+            def send() -> str:
+                header = [head.s(*args).set(task_id=tid) for tid, args in heads.items()]
+                chord(header, follow.s(key, "join").set(task_id=ids[-1])).apply_async()
+                return members[0]
+
+            followups = [FollowUp("chord", key, "join", ids[-1], tuple(members))]
+        got = _submit(send)
+        for tid, args in heads.items():
+            report.kinds[tid] = planned.kind
+            report.args[tid] = args
+        report.followups += followups
         return got
 
     def cancel(self, task_id: str) -> None:
@@ -701,6 +795,7 @@ class Soak:
                 for t in self.report.kinds
                 if t not in records or records[t].state not in SETTLED
             ]
+            waiting += unsettled_followups(self.report, records)
             if not waiting:
                 self.log("every task settled")
                 return
@@ -722,15 +817,21 @@ def _call(fn: Callable[[], Any], tries: int = 5) -> Any:
     raise AssertionError("unreachable")
 
 
+#: Keys of the project's Redis database that are not the broker's messages: kombu's
+#: exchange bindings and the result backend's results and chord counters.
+_KEPT_KEYS = (b"_kombu.binding.", b"celery-task-meta-", b"celery-taskset-meta-")
+
+
 def drop_queued_messages(redis_url: str) -> int:
-    """Delete every key of the project's Redis database except kombu's exchange bindings:
-    the queued and unacked messages are lost, routing still works."""
+    """Delete every key of the project's Redis database except kombu's exchange bindings
+    and the result backend's keys: the queued and unacked messages are lost, routing
+    still works, results and chord counters are kept (as a separate backend would)."""
     import redis
 
     client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
     try:
         found = [k if isinstance(k, bytes) else k.encode() for k in client.keys("*")]
-        keys = [k for k in found if not k.startswith(b"_kombu.binding.")]
+        keys = [k for k in found if not k.startswith(_KEPT_KEYS)]
         return int(client.delete(*keys)) if keys else 0
     finally:
         client.close()

@@ -44,6 +44,10 @@ ALLOWED: dict[str, frozenset[State]] = {
     # the cancel may land after the task finished
     "cancel": frozenset({State.CANCELLED, State.SUCCEEDED}),
     "dedup": frozenset({State.SUCCEEDED}),
+    # the heads of chains (soak.retry), link= callbacks and chords (soak.idem)
+    "chain": frozenset({State.SUCCEEDED}),
+    "link": frozenset({State.SUCCEEDED}),
+    "chord": frozenset({State.SUCCEEDED}),
 }
 
 #: kind -> what a FAILED row's reason or error says when the task failed by its own logic
@@ -60,6 +64,9 @@ _DONE_STEPS: dict[str, Callable[[tuple[Any, ...]], list[str]]] = {
     "retry": lambda args: [f"r{i}" for i in range(int(args[1]) + 1)],
     "long": lambda args: ["finish"],
     "dedup": lambda args: ["s0"],
+    "chain": lambda args: [f"r{i}" for i in range(int(args[1]) + 1)],
+    "link": lambda args: [f"s{i}" for i in range(int(args[1]))],
+    "chord": lambda args: [f"s{i}" for i in range(int(args[1]))],
 }
 
 # -- what happened ------------------------------------------------------------------------
@@ -74,6 +81,19 @@ class Fault:
     at: datetime
     target: str
     affected: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class FollowUp:
+    """A task Celery publishes once its predecessors succeed: a chain's next step, a
+    ``link=`` callback, a chord's callback (``soak.follow``, effect ``<name>:<key>``)."""
+
+    kind: str
+    key: str
+    name: str
+    task_id: str
+    #: the tasks that must all SUCCEED before it runs
+    after: tuple[str, ...]
 
 
 @dataclasses.dataclass
@@ -91,6 +111,11 @@ class Report:
     nonidempotent_reruns: int = 0
     idempotent_replays: int = 0
     lost: list[str] = dataclasses.field(default_factory=list)
+    followups: list[FollowUp] = dataclasses.field(default_factory=list)
+    #: follow-ups whose predecessors succeeded but that never ran
+    lost_followups: list[str] = dataclasses.field(default_factory=list)
+    #: follow-ups that ran more than once, or although a predecessor did not succeed
+    repeated_followups: list[str] = dataclasses.field(default_factory=list)
     #: fault kind -> seconds from the fault to each affected task's next attempt
     recovery: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     #: fault kind -> affected tasks that needed no new attempt
@@ -137,6 +162,10 @@ class Report:
             f"| duplicate effects (must be 0) | {self.duplicate_effects} |",
             f"| non-idempotent re-runs (must be 0) | {self.nonidempotent_reruns} |",
             f"| lost tasks (must be 0) | {len(self.lost)} |",
+            "| follow-ups (chain steps, link= callbacks, chord callbacks) "
+            f"| {len(self.followups)} |",
+            f"| lost follow-ups (must be 0) | {len(self.lost_followups)} |",
+            f"| repeated follow-ups (must be 0) | {len(self.repeated_followups)} |",
             f"| idempotent calls answered from their key | {self.idempotent_replays} |",
             f"| chaos wall time | {self.chaos_wall:.1f} s |",
             f"| end of schedule -> every task settled | {self.settle_wall:.1f} s |",
@@ -225,6 +254,7 @@ def verify(project: LeasedProject, report: Report) -> None:
                 f"{rec.reason!r} {rec.error!r}"
             )
     _verify_effects(project, report, records)
+    _verify_followups(project, report, records)
     try:
         check_audit(store, list(records))
     except AssertionError as error:
@@ -265,6 +295,54 @@ def _verify_effects(project: LeasedProject, report: Report, records: dict[str, T
                 v.append(f"{kind} task {task_id} SUCCEEDED without its {step!r} effect")
         if kind == "nonidem" and len(effects.get(f"charge:{key}", [])) != 1:
             v.append(f"nonidem task {task_id} SUCCEEDED without exactly one charge")
+
+
+def _ready(followup: FollowUp, records: dict[str, TaskRecord]) -> bool:
+    """Whether every predecessor of ``followup`` SUCCEEDED (Celery then publishes it)."""
+    return all(
+        (rec := records.get(t)) is not None and rec.state is State.SUCCEEDED for t in followup.after
+    )
+
+
+def unsettled_followups(report: Report, records: dict[str, TaskRecord]) -> list[str]:
+    """Follow-ups due (their predecessors SUCCEEDED) whose row is missing or not settled."""
+    out = []
+    for f in report.followups:
+        rec = records.get(f.task_id)
+        if _ready(f, records) and (rec is None or rec.state not in SETTLED):
+            out.append(
+                f"{f.kind} follow-up {f.name} of {f.key} ({rec.state.value if rec else 'no row'})"
+            )
+    return out
+
+
+def _verify_followups(
+    project: LeasedProject, report: Report, records: dict[str, TaskRecord]
+) -> None:
+    """Each follow-up whose predecessors all SUCCEEDED ran once (its row SUCCEEDED with
+    one effect, or WAIT_MANUAL with a reason: handed to a person, not lost); one whose
+    predecessors did not all succeed never ran; none ran twice."""
+    v = report.violations
+    for f in report.followups:
+        what = f"{f.kind} follow-up {f.name} of {f.key} ({f.task_id})"
+        effects = len(project.external.effects(f"{f.name}:{f.key}"))
+        rec = records.get(f.task_id)
+        if effects > 1:
+            report.repeated_followups.append(f.task_id)
+            v.append(f"{what}: ran {effects} times")
+        if not _ready(f, records):
+            if effects:
+                report.repeated_followups.append(f.task_id)
+                v.append(f"{what}: ran although a predecessor did not succeed")
+            continue
+        if rec is not None and rec.state is State.WAIT_MANUAL and (rec.reason or "").strip():
+            continue
+        if rec is None or rec.state is not State.SUCCEEDED or effects == 0:
+            report.lost_followups.append(f.task_id)
+            state = rec.state.value if rec is not None else "no row"
+            v.append(
+                f"{what}: lost ({state}, {effects} effects) although its predecessors succeeded"
+            )
 
 
 #: fault kind -> words of the expiry reasons (RUNNING -> TIMEOUT) that fault can cause

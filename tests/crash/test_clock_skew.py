@@ -79,17 +79,20 @@ def test_worker_with_a_skewed_clock_behaves_the_same(
     local = datetime.strptime(logged.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
     assert local.timestamp() - db_now > SKEW - 60, (logged.group(0), db_now)
 
-    # 1. retries on the skewed worker are re-published by its own reaper after the
-    #    countdown in database time (a worker-clock next_retry_at would be 300 s late)
+    # 1. retries on the skewed worker are published by that worker at once, and run
+    #    after the countdown in database time: the claim checks the row's ETA, which is
+    #    database time (a worker-clock ETA would be 300 s off)
     retried = p.submit("t.retry_then_ok", 2)  # self.retry(countdown=0.3) twice
     rec = p.wait_state(retried, State.SUCCEEDED, timeout=30)
     trail = p.store.history(retried)
     assert rec.attempt == 3 and all(r.actor.endswith("skewed@lease-test") for r in trail[1:])
-    waits = [r for r in trail if r.to_state is State.RETRY_WAIT]
-    dues = [r for r in trail if r.from_state is State.RETRY_WAIT]
-    assert len(waits) == len(dues) == 2
-    for wait, due in zip(waits, dues, strict=True):
-        assert (due.at - wait.at).total_seconds() >= 0.3 - 0.01, (wait, due)
+    waits = [i for i, r in enumerate(trail) if r.to_state is State.RETRY_WAIT]
+    assert len(waits) == 2
+    for i in waits:
+        wait, due, claim = trail[i], trail[i + 1], trail[i + 2]
+        assert (due.from_state, due.to_state) == (State.RETRY_WAIT, State.PENDING), due
+        assert (claim.from_state, claim.to_state) == (State.PENDING, State.RUNNING), claim
+        assert (claim.at - wait.at).total_seconds() >= 0.3 - 0.01, (wait, claim)
 
     # 2. live leases on both workers, swept by the skewed reaper for 3 TTLs: none expires
     normal = p.worker("normal")

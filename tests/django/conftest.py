@@ -208,8 +208,13 @@ class LeaseRows:
                 lease, target, actor=actor, reason="ValueError: card declined", error="ValueError"
             )
         elif target is State.RETRY_WAIT:
-            store.schedule_retry(
-                lease, 3600, actor=actor, reason="retry: gateway busy", error="Busy"
+            # a lease expiry the policy retries (a worker's own retry is published
+            # at once, so it rests in PENDING)
+            store.expire(
+                actor="reaper:lease-test",
+                reason="retry: gateway busy",
+                task_ids=[tid],
+                only_expired=False,
             )
         elif target is State.WAIT_MANUAL:
             store.step_started(lease, "charge card", checkable=False)

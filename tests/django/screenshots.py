@@ -165,12 +165,11 @@ def populate() -> dict[str, Any]:
     store.request_cancel(cancelled, actor="maria", reason="campaign postponed")
     retry = submit("shop.tasks.sync_inventory", ["warehouse-a"])
     lease = claim(retry, w1, "celery@worker-1")
-    store.schedule_retry(
-        lease,
-        600,
-        actor="worker:celery@worker-1",
-        reason="retry in 600 s: 503 from inventory API",
-        error="HTTPError 503",
+    store.expire(
+        actor="reaper:web-1",
+        reason="worker celery@worker-1 lost while calling the inventory API",
+        task_ids=[lease.task_id],
+        only_expired=False,
     )
 
     user, _ = User.objects.get_or_create(username="maria", defaults={"email": "maria@example.com"})

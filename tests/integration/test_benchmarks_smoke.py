@@ -23,6 +23,7 @@ SECTIONS = (
     "## 4. Reaper at scale (PostgreSQL)",
     "## 5. Recovery latency",
     "## 6-7. Dedup and claims under contention",
+    "## 8. Bulk submission and retry latency",
 )
 
 
@@ -52,7 +53,15 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
     assert "machine: CPU:" in proc.stdout
     for title in SECTIONS:
         assert title in proc.stdout, f"{title!r} not printed"
-    for figure in ("publish /s", "round trips", "statements / renewal", "EXPLAIN", "claims"):
+    for figure in (
+        "publish /s",
+        "round trips",
+        "statements / renewal",
+        "EXPLAIN",
+        "claims",
+        "vs plain group",
+        "Retry latency",
+    ):
         assert figure in proc.stdout, f"no {figure!r} figures printed"
 
     page = (tmp_path / "benchmarks.md").read_text()

@@ -207,7 +207,9 @@ def test_a_task_that_never_reaches_a_boundary_keeps_running_with_the_request_vis
     project, store, mod = setup()
     project.worker().wait_ready(store=store)
     result = mod.deaf.delay()
-    wait_until(lambda: external.count("first") == 1, message="the task started")
+    # recorded DONE, not only called: a cancel requested before that record is seen
+    # by the step's own write, and the task would stop there
+    wait_step(store, result.id, "first")
 
     admin(mod.app).cancel(result.id, actor="carol", reason="too late?")
     record = store.get(result.id)

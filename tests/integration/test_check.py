@@ -227,7 +227,10 @@ def test_liveness_violations_need_the_reaper(raw_store: Store) -> None:
     unpublished, _ = store.submit(new_task())
     # RETRY_WAIT, due now
     retry = running(store)
-    assert store.schedule_retry(retry, 0.0, actor="w", reason="retry", error=None)
+    (expiry,) = store.expire(
+        actor="r", reason="worker lost", task_ids=[retry.task_id], only_expired=False
+    )
+    assert expiry.to_state is State.RETRY_WAIT
     # WAIT_MANUAL without a reason
     manual = running(store)
     with store.engine.begin() as conn:

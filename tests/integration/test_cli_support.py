@@ -108,6 +108,7 @@ class Ops:
         *,
         on_timeout: str = "retry",
         dedup_key: str | None = None,
+        lease_ttl: float | None = None,
     ) -> str:
         task_id = str(uuid.uuid4())
         self.store.submit(
@@ -117,7 +118,7 @@ class Ops:
                 args=json.dumps(list(args)),
                 kwargs="{}",
                 options=json.dumps({"queue": self.project.queue}),
-                lease_ttl=self.store.config.ttl,
+                lease_ttl=lease_ttl or self.store.config.ttl,
                 max_recoveries=self.store.config.max_recoveries,
                 on_timeout=on_timeout,
                 dedup_key=dedup_key,

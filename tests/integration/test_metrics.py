@@ -64,7 +64,9 @@ def test_metrics_over_http(served: tuple[Ops, int]) -> None:
     ops.wait_manual()
     ops.submit()  # pending
     zombie(ops)
-    ops.running(nodename="busy@ops-test")
+    # alive for the whole test: with the suite's 1 s TTL a slow moment between the two
+    # scrapes would turn it into a second zombie
+    ops.running(nodename="busy@ops-test", lease_ttl=3600)
 
     first = scrape(port)
 

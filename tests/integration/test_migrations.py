@@ -123,18 +123,55 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         id="kept", name="t", args="[]", kwargs="{}", options="{}", lease_ttl=1.0, max_recoveries=1
     )
     store.submit(task)
-    # back to what version 1 created: no finished index, counters or pauses
+    # back to what version 1 created: no finished index, counters, pauses or message
     t = store.t
     with store.engine.begin() as conn:
         next(i for i in t.tasks.indexes if i.name.endswith("_finished")).drop(conn)
         t.counters.drop(conn)
         t.pauses.drop(conn)
         t.pause_log.drop(conn)
+        conn.exec_driver_sql(
+            f"ALTER TABLE {store.engine.dialect.identifier_preparer.format_table(t.tasks)} "
+            "DROP COLUMN message"
+        )
         conn.execute(t.version.delete().where(t.version.c.version > 1))
     assert store.schema_version() == 1
     assert store.migrate() == (1, SCHEMA_VERSION)
     assert schema_snapshot(store.engine, store.config.schema) == full
     assert store.get("kept") is not None
+
+
+def test_a_version_3_database_gains_the_message_column_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    store.submit(
+        NewTask(
+            id="old", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+        )
+    )
+    t, version = store.t.tasks, store.t.version
+    table = store.engine.dialect.identifier_preparer.format_table(t)
+    with store.engine.begin() as conn:  # the database as schema version 3 left it
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN message")
+        conn.execute(version.delete().where(version.c.version == 4))
+    assert store.schema_version() == 3
+
+    assert store.migrate() == (3, SCHEMA_VERSION)
+    record = store.get("old")
+    assert record is not None and record.args == [] and record.message is None
+    store.submit(
+        NewTask(
+            id="new",
+            name="t",
+            args="[]",
+            kwargs="{}",
+            options=None,
+            lease_ttl=30,
+            max_recoveries=5,
+            message='{"v": 1}',
+        )
+    )
+    assert store.get("new").message == '{"v": 1}'
 
 
 def test_migrate_is_idempotent(make_store):

@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
-from celery_lease import State, notify
+from celery_lease import State, TaskFailed, notify
 from celery_lease.store import Store, TransitionEvent
 
 from ..helpers import ExternalSystem, WorkerProject, wait_until
@@ -102,8 +103,10 @@ def test_result_backend_gets_what_celery_cannot_see(ops: Ops) -> None:
     assert meta["worker"].endswith("@ops-test")
     state, meta = backend_state(ops, retried)  # expired, safe: waits for its retry
     assert state == "TIMEOUT" and meta["lease_state"] == "RETRY_WAIT"
-    state, meta = backend_state(ops, pending)
-    assert state == "CANCELLED" and (meta["actor"], meta["reason"]) == ("dan", "duplicate")
+    state, info = backend_state(ops, pending)  # final: Celery's REVOKED, as a revoked task
+    assert state == "REVOKED" and "duplicate" in str(info)
+    with pytest.raises(TaskRevokedError):
+        AsyncResult(pending, app=ops.app).get(timeout=10)
 
 
 def test_operator_decisions_reach_the_result_backend(ops: Ops) -> None:
@@ -115,8 +118,11 @@ def test_operator_decisions_reach_the_result_backend(ops: Ops) -> None:
     ops.admin.retry(retried, actor="alice", reason="not charged")
     flush(ops)
 
-    state, meta = backend_state(ops, failed)
-    assert state == "FAILED" and (meta["actor"], meta["reason"]) == ("bob", "customer gave up")
+    state, info = backend_state(ops, failed)  # final: Celery's FAILURE, get() raises
+    assert state == "FAILURE" and isinstance(info, TaskFailed)
+    assert (info.task_id, info.actor, info.reason) == (failed, "bob", "customer gave up")
+    with pytest.raises(TaskFailed, match="failed by bob: customer gave up"):
+        AsyncResult(failed, app=ops.app).get(timeout=10)
     assert AsyncResult(resolved, app=ops.app).get(timeout=10) == {"ref": 7}
     assert backend_state(ops, resolved)[0] == "SUCCESS"
     state, meta = backend_state(ops, retried)
@@ -408,11 +414,11 @@ def test_a_cooperative_cancel_in_a_pool_child_reaches_the_backend(
         lambda: ops.state(result.id) is State.CANCELLED, timeout=30, message="task never stopped"
     )
     wait_until(
-        lambda: backend_state(ops, result.id)[0] == "CANCELLED",
+        lambda: backend_state(ops, result.id)[0] == "REVOKED",
         timeout=20,
-        message="result backend still not CANCELLED",
+        message="result backend still not REVOKED",
     )
-    assert backend_state(ops, result.id)[1]["reason"] == "cancelled: stop it"
+    assert "cancelled: stop it" in str(backend_state(ops, result.id)[1])
     wait_until(
         lambda: event_log.of(result.id) == ["task-cancelled"],
         timeout=20,

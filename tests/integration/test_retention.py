@@ -51,8 +51,11 @@ def test_only_finished_rows_older_than_the_horizon_go(store: Store) -> None:
     manual = finished(store, S.WAIT_MANUAL)
     pending = submit(store)
     live, _, _ = running(store)
-    retry_wait, lease, _ = running(store)
-    assert store.schedule_retry(lease, 3600, actor="w", reason="later", error=None)
+    retry_wait, _, _ = running(store)
+    (expiry,) = store.expire(
+        actor="reaper", reason="test expiry", task_ids=[retry_wait], only_expired=False
+    )
+    assert expiry.to_state is S.RETRY_WAIT  # due, but no reaper takes it in this test
     aged(store, [*gone, manual], 0.3)
 
     assert store.purge_expired(3600) == 0
@@ -158,7 +161,7 @@ def test_the_reaper_reports_purged_rows_and_honours_none(make_store: Callable[..
 
 # -- real workers -------------------------------------------------------------------------
 
-#: A task that stays in RETRY_WAIT for the whole test.
+#: A task that retries in an hour: PENDING (with its ETA) for the whole test.
 RETRY_LATER = """
 
 @app.task(base=LeasedTask, bind=True, shared=False, name="t.retry_later", max_retries=3)
@@ -209,7 +212,7 @@ def test_workers_purge_what_they_finished_and_keep_live_rows(
     gate = p.gates.hold("retention")
     held = p.submit("t.work", "held", gate)
     p.wait_state(manual, S.WAIT_MANUAL)
-    p.wait_state(later, S.RETRY_WAIT)
+    wait_until(lambda: p.get(later).retries == 1, timeout=30, message="retry scheduled")
     p.wait_state(held, S.RUNNING)
 
     ok = p.submit("t.add", 2, 3)
@@ -226,7 +229,7 @@ def test_workers_purge_what_they_finished_and_keep_live_rows(
         assert p.store.history(task_id) == []
     for task_id, want in (
         (manual, S.WAIT_MANUAL),
-        (later, S.RETRY_WAIT),
+        (later, S.PENDING),
         (waiting, S.PENDING),
         (held, S.RUNNING),
     ):

@@ -688,45 +688,65 @@ def test_overrun_ignores_tasks_without_max_runtime_and_dead_owners(store):
 # -- retries ------------------------------------------------------------------------------
 
 
-def test_schedule_retry_waits_in_database_time_then_comes_due(store):
+def to_retry_wait(store: Store, task_id: str) -> None:
+    """RUNNING -> TIMEOUT -> RETRY_WAIT (due now): a lease expiry the policy retries."""
+    (expiry,) = store.expire(
+        actor="reaper", reason="worker lost", task_ids=[task_id], only_expired=False
+    )
+    assert expiry.to_state is S.RETRY_WAIT
+
+
+def test_schedule_retry_is_pending_at_once_and_due_in_database_time(store):
     task_id, lease, owner = running(store)
+    message = '{"v": 1, "retry": true}'
     assert store.schedule_retry(
-        lease, 1.0, actor="worker", reason="retry: timeout", error="TimeoutError"
+        lease, 1.0, actor="worker", reason="retry: timeout", error="TimeoutError", message=message
     )
     record = store.get(task_id)
-    assert (record.state, record.retries, record.error) == (S.RETRY_WAIT, 1, "TimeoutError")
+    # the worker publishes the retry's message itself: no reaper sweep in between
+    assert (record.state, record.retries, record.error) == (S.PENDING, 1, "TimeoutError")
+    assert record.message == message and record.published_at is None
+    assert record.eta is not None and record.next_retry_at is None
+    assert trail(store, task_id)[-2:] == [(S.RUNNING, S.RETRY_WAIT), (S.RETRY_WAIT, S.PENDING)]
     assert store.take_due_retries(actor="reaper") == []
-    due = wait_until(lambda: store.take_due_retries(actor="reaper"), message="retry due")
-    (pub,) = due
-    assert (pub.id, pub.name, pub.args, pub.kwargs, pub.retries) == (
-        task_id,
-        "tests.job",
-        "[1,2]",
-        '{"k":"v"}',
-        1,
-    )
-    assert pub.countdown is None
-    record = store.get(task_id)
-    assert record.state is S.PENDING and record.published_at is None
-    got = claim(store, task_id, owner)
+    early = store.claim(task_id, owner, "worker:w1@host")
+    assert isinstance(early, Refusal) and early.early  # before its ETA, by database time
+
+    def due() -> Claim | None:
+        got = store.claim(task_id, owner, "worker:w1@host")
+        return got if isinstance(got, Claim) else None
+
+    got = wait_until(due, message="retry due")
     assert got.retries == 1 and got.lease.attempt == 2
+
+
+def test_a_requeued_retry_is_recorded_published_and_keeps_its_message(store):
+    task_id, lease, _ = running(store)
+    before = store.get(task_id).message
+    assert store.schedule_retry(
+        lease, 0.0, actor="worker", reason="rejected with requeue", error=None, requeued=True
+    )
+    record = store.get(task_id)
+    assert record.state is S.PENDING and record.published_at is not None
+    assert record.message == before
 
 
 def test_take_due_retries_respects_the_limit(store):
     tasks = [running(store) for _ in range(3)]
-    for _, lease, _ in tasks:
-        assert store.schedule_retry(lease, 0.0, actor="w", reason="retry", error=None)
-    wait_until(lambda: len(store.list_tasks(state=S.RETRY_WAIT)) == 3, message="three waiting")
+    for task_id, _, _ in tasks:
+        to_retry_wait(store, task_id)
     first = wait_until(lambda: store.take_due_retries(actor="r", limit=2), message="due")
     second = store.take_due_retries(actor="r", limit=2)
     assert len(first) == 2 and len(second) == 1
     assert {p.id for p in first + second} == {t for t, _, _ in tasks}
 
 
-def test_a_future_retry_is_not_taken(store):
-    _, lease, _ = running(store)
+def test_a_future_retry_is_published_with_its_remaining_countdown(store):
+    task_id, lease, _ = running(store)
     store.schedule_retry(lease, 3600, actor="w", reason="later", error=None)
     assert store.take_due_retries(actor="r") == []
+    (pub,) = wait_until(store.take_unpublished, message="grace passed")
+    assert pub.id == task_id and pub.countdown is not None and 3500 < pub.countdown <= 3600
 
 
 # -- the row is the outbox: (re-)publishing ------------------------------------------------
@@ -762,7 +782,6 @@ def test_a_lost_message_of_a_retried_task_is_republished_after_republish_after(m
         store.mark_published([task_id])
         lease = claim(store, task_id, owner).lease
         assert store.schedule_retry(lease, 0.0, actor="w", reason="retry", error=None)
-        wait_until(lambda: store.take_due_retries(actor="r"), message="retry due")
     store.mark_published([task_id])  # this message is lost
     published_at = store.get(task_id).published_at
     (pub,) = wait_until(store.take_unpublished, timeout=10, message="re-published")
@@ -968,7 +987,7 @@ def test_cancel_outside_running_is_immediate(store, where):
     else:
         task_id, lease, _ = running(store)
         if where == "retry_wait":
-            store.schedule_retry(lease, 3600, actor="w", reason="later", error=None)
+            to_retry_wait(store, task_id)
         else:
             store.finish(lease, S.FAILED, actor="w", reason="raised")
     found = state(store, task_id)
@@ -1149,7 +1168,6 @@ def test_audit_trail_of_a_full_life(store):
     store.step_done(lease, "a", '"1"', idempotent=True)
     lease = recover(store, task_id, owner)  # lease expiry
     store.schedule_retry(lease, 0.0, actor="worker", reason="retryable error", error="E")
-    wait_until(lambda: store.take_due_retries(actor="reaper"), message="due")
     lease = claim(store, task_id, owner).lease
     store.finish(lease, S.SUCCEEDED, actor="worker", reason="ok", result="1")
 
@@ -1194,7 +1212,7 @@ def test_audit_check_catches_a_state_changed_without_an_audit_row(store):
 def test_decisions_do_not_depend_on_the_process_clock(store, monkeypatch, skew):
     live_task, live_lease, live_owner = running(store, lease_ttl=3.0)
     dead_task, _, _ = running(store, lease_ttl=0.3)
-    _, retry_lease, _ = running(store, lease_ttl=3600)
+    retry_task, retry_lease, retry_owner = running(store, lease_ttl=3600)
     pending = submit(store)
     real_time = time.time
     monkeypatch.setattr(time, "time", lambda: real_time() + skew)
@@ -1205,7 +1223,8 @@ def test_decisions_do_not_depend_on_the_process_clock(store, monkeypatch, skew):
     )
     # a fresh lease, a future retry and a just-submitted row are judged by database time
     store.schedule_retry(retry_lease, 1.5, actor="w", reason="later", error=None)
-    assert store.take_due_retries(actor="r") == []
+    early = store.claim(retry_task, retry_owner, "w")
+    assert isinstance(early, Refusal) and early.early
     expired = wait_until(
         lambda: store.renew(live_owner) and store.expire(actor="r", reason="ttl"), message="ttl"
     )
@@ -1213,7 +1232,9 @@ def test_decisions_do_not_depend_on_the_process_clock(store, monkeypatch, skew):
     assert state(store, live_task) is S.RUNNING
     assert store.check_lease(live_lease) is not None
     assert pending in {p.id for p in wait_until(store.take_unpublished, message="grace")}
-    wait_until(lambda: store.take_due_retries(actor="r"), message="retry due")
+    wait_until(
+        lambda: isinstance(store.claim(retry_task, retry_owner, "w"), Claim), message="retry due"
+    )
 
 
 FORBIDDEN_CLOCKS = re.compile(

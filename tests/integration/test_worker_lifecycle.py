@@ -47,15 +47,20 @@ def lease_env(
 
 
 def retry_gaps(p: LeasedProject, task_id: str) -> list[float]:
-    """Database seconds between each RUNNING -> RETRY_WAIT and the re-publish that ended it."""
+    """Database seconds between each RUNNING -> RETRY_WAIT and the claim of the retry.
+
+    The worker that retries publishes the retry itself, at once (RETRY_WAIT -> PENDING
+    in the same transaction, by the same worker): the countdown is the message's ETA."""
     trail = p.store.history(task_id)
     gaps = []
     for i, row in enumerate(trail):
         if row.to_state is State.RETRY_WAIT:
-            nxt = trail[i + 1]
+            nxt, claim = trail[i + 1], trail[i + 2]
             assert (nxt.from_state, nxt.to_state) == (State.RETRY_WAIT, State.PENDING), nxt
-            assert nxt.actor.startswith("reaper:"), nxt
-            gaps.append((nxt.at - row.at).total_seconds())
+            assert nxt.actor == row.actor and nxt.actor.startswith("worker:"), nxt
+            assert (nxt.at - row.at).total_seconds() < 0.3, (row, nxt)
+            assert (claim.from_state, claim.to_state) == (State.PENDING, State.RUNNING), claim
+            gaps.append((claim.at - row.at).total_seconds())
     return gaps
 
 

@@ -45,7 +45,13 @@ def test_kill_task_kills_the_pool_process_running_it_and_the_task_recovers(
     lease_worker: LeaseWorker, lease_effects: SideEffects, tmp_path: Path
 ):
     result = pay.delay(2, gate(tmp_path))
-    wait_until(lambda: lease_effects.count("reserve") == 1, message="reserved, at the gate")
+    # the recorded step, not its effect: the effect comes before the record
+    wait_until(
+        lambda: any(
+            s.name == "reserve" and s.state == "DONE" for s in lease_worker.store.steps(result.id)
+        ),
+        message="reserved, at the gate",
+    )
     main = lease_worker.pid
 
     pid = lease_worker.kill_task(result)

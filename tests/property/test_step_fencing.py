@@ -185,14 +185,14 @@ class StepFencing(RuleBasedStateMachine):
     @precondition(lambda self: len(self.runs) > 0)
     @rule(who=RUNS)
     def task_retries(self, who: int) -> None:
-        """``self.retry()``: RUNNING -> RETRY_WAIT, fenced."""
+        """``self.retry()``: RUNNING -> RETRY_WAIT -> PENDING (published at once), fenced."""
         index = self._pick(who)
         ok = self.store.schedule_retry(
             self.runs[index].execution.lease, 0.0, actor="w", reason="retry", error=None
         )
         assert ok == self._holder(index)
         if ok:
-            self.state = State.RETRY_WAIT
+            self.state = State.PENDING
             self.current = None
 
     @precondition(lambda self: len(self.runs) > 0)
@@ -308,8 +308,7 @@ def test_a_step_left_started_by_an_earlier_attempt_is_not_in_flight(store: Store
     machine = StepFencing(store)
     machine.claim()
     machine.stale_start(0, "load")
-    machine.task_retries(0)
-    machine.retry_due()
+    machine.task_retries(0)  # published at once: PENDING
     machine.claim()
     machine.expire()  # the model expects RETRY_WAIT
     machine.database_equals_model()

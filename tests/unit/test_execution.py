@@ -175,7 +175,6 @@ def test_a_cancel_requested_before_the_claim_stops_at_the_first_boundary(store):
     c = claim(store)
     store.request_cancel("t1", actor="ops", reason="no longer needed")
     store.schedule_retry(c.lease, 0.0, actor="w", reason="retry", error=None)
-    store.take_due_retries(actor="test")
     again = store.claim("t1", "owner", "worker:test")
     assert isinstance(again, Claim) and again.cancel_requested
     with pytest.raises(TaskCancelled):

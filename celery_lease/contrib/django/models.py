@@ -48,6 +48,7 @@ class Task(models.Model):
     args = models.TextField(null=True)
     kwargs = models.TextField(null=True)
     options = models.TextField(null=True)
+    message = models.TextField(null=True, help_text="The message Celery built for the task (JSON).")
     eta = LeaseTimeField(null=True)
     lease_ttl = models.FloatField()
     max_runtime = models.FloatField(null=True)

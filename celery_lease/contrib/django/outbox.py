@@ -30,6 +30,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from ... import _message
 from ..._outbox import submit_capturing
 from ..._runtime import runtime
 from ...exceptions import ConfigurationError
@@ -91,11 +92,24 @@ def apply_async_on_commit(
         )
         return task.AsyncResult(task_id)
     dedup_key = options.pop("dedup_key", None)
-    if dedup_key is not None and (not isinstance(dedup_key, str) or not dedup_key):
-        raise TypeError("dedup_key must be a non-empty string")
     publish_only = {key: options.pop(key, None) for key in _PUBLISH_ONLY}
     rt = runtime(task.app)
-    new = task._new_row(rt.config, task_id, args, kwargs, dedup_key, options)
+    args_text, kwargs_text = task._encode_arguments(args, kwargs)
+    when = task._check(rt.config, task_id, dedup_key, args_text, kwargs_text, options)
+    outgoing = _message.build(
+        task,
+        args,
+        kwargs,
+        task_id,
+        publish_only["link"],
+        publish_only["link_error"],
+        publish_only["shadow"],
+        publish_only["producer"],
+        **options,
+    )
+    new = task._new_row(
+        rt.config, task_id, args_text, kwargs_text, dedup_key, options, when, outgoing.stored()
+    )
     connection = connections[alias]
     check_same_database(rt.store, connection.settings_dict, alias)
     connection.ensure_connection()
@@ -106,17 +120,7 @@ def apply_async_on_commit(
 
     def publish() -> None:
         rt.store._dispatch(events)
-        task._publish(
-            rt,
-            tid,
-            args,
-            kwargs,
-            publish_only["producer"],
-            publish_only["link"],
-            publish_only["link_error"],
-            publish_only["shadow"],
-            options,
-        )
+        task._publish(rt, outgoing, publish_only["producer"])
 
     transaction.on_commit(publish, using=alias)
     return task.AsyncResult(tid)

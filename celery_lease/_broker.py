@@ -1,0 +1,155 @@
+"""Asking the broker whether a queue still holds messages, for the reaper's re-publish
+decision.
+
+Age alone cannot tell a lost message from a queued one: in a backlog longer than
+``lease_republish_after`` every waiting row looks lost, and re-publishing them
+multiplies the backlog. So before re-publishing a row that *was* published, the
+reaper asks its queue's depth (a passive ``queue_declare`` through kombu: RabbitMQ
+answers with the queue's ready messages, and kombu's Redis transport with the length
+of the queue's lists). A queue that holds messages, or held some less than
+``lease_republish_after`` ago, may still hold this row's message: the row is left
+alone and looked at again later. Once the queue has been empty that long, a row
+still PENDING lost its message and is published again. A broker that cannot answer
+(another transport, a connection error) leaves the decision to age, as before.
+
+Rows never marked published (their producer died before publishing) are not held
+back: their message never reached any queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+
+if TYPE_CHECKING:
+    from .store import Publishable, Store
+
+logger = logging.getLogger("celery_lease.broker")
+
+
+class QueueDepths:
+    """Depths of queues, read through the app's broker connection."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def depth(self, queues: Sequence[str]) -> dict[str, int | None]:
+        """Messages waiting in each queue (``None``: the broker could not tell)."""
+        from kombu.exceptions import ChannelError, OperationalError
+
+        out: dict[str, int | None] = dict.fromkeys(queues)
+        if not queues:
+            return out
+        try:
+            with self.app.connection_for_read() as conn:
+                conn.ensure_connection(max_retries=1)
+                for queue in queues:
+                    channel: Any = conn.channel()
+                    try:
+                        out[queue] = int(channel.queue_declare(queue, passive=True).message_count)
+                    except ChannelError:
+                        out[queue] = 0  # no such queue (Redis: an empty one): nothing waits
+                    finally:
+                        try:
+                            channel.close()
+                        except Exception:  # the channel is gone with its error
+                            logger.debug("channel close failed", exc_info=True)
+        except (OperationalError, ConnectionError, OSError) as error:
+            logger.info("celery-lease: broker queue depths not read (%s): age decides", error)
+        return out
+
+
+class BacklogGuard:
+    """The reaper's memory of which queues held messages, and when last.
+
+    ``clock`` is this process's monotonic time: the guard's memory is its own (an
+    embedded reaper that takes over from another starts with none, and then decides
+    by what it sees)."""
+
+    def __init__(
+        self,
+        app: Celery,
+        republish_after: float,
+        depths: QueueDepths | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.app = app
+        self.republish_after = republish_after
+        self.depths = depths or QueueDepths(app)
+        self.clock = clock
+        #: Queue name -> when it was last seen holding messages.
+        self.busy_at: dict[str, float] = {}
+        self._routes: dict[tuple[str, str | None], str] = {}
+
+    def queue_of(self, name: str, options: str | None) -> str:
+        """The queue a task's message goes to: its own ``queue`` option, else Celery's
+        router (``task_routes``, then ``task_default_queue``)."""
+        opts: dict[str, Any] = {}
+        if options:
+            try:
+                loaded = json.loads(options)
+                opts = loaded if isinstance(loaded, dict) else {}
+            except ValueError:
+                opts = {}
+        explicit = opts.get("queue")
+        if isinstance(explicit, str) and explicit:
+            return explicit
+        key = (name, None)
+        found = self._routes.get(key)
+        if found is None:
+            route = self.app.amqp.router.route({}, name)
+            queue = route.get("queue")
+            found = getattr(queue, "name", None) or str(queue or self.app.conf.task_default_queue)
+            self._routes[key] = found
+        return found
+
+    def still_queued(self, rows: Sequence[tuple[str, str, str | None]]) -> set[str]:
+        """Of ``rows`` (task id, name, options) that were published, the ids whose
+        queue holds messages, or did less than ``republish_after`` ago."""
+        by_queue: dict[str, list[str]] = {}
+        for task_id, name, options in rows:
+            by_queue.setdefault(self.queue_of(name, options), []).append(task_id)
+        depths = self.depths.depth(sorted(by_queue))
+        now = self.clock()
+        held: set[str] = set()
+        for queue, ids in by_queue.items():
+            depth = depths.get(queue)
+            if depth is None:
+                continue  # the broker cannot tell: age decides
+            if depth > 0:
+                self.busy_at[queue] = now
+            last = self.busy_at.get(queue)
+            if last is not None and now - last < self.republish_after:
+                held.update(ids)
+        return held
+
+    def filter(self, store: Store, rows: Sequence[Publishable]) -> tuple[list[Publishable], int]:
+        """Of ``rows`` (just reserved by ``take_unpublished``), those to publish now, and
+        how many were held back because their queue still holds messages."""
+        if not rows:
+            return list(rows), 0
+        queued = self.still_queued([(r.id, r.name, r.options) for r in rows])
+        if not queued:
+            return list(rows), 0
+        skip = set(store.hold_published([r.id for r in rows if r.id in queued]))
+        return [r for r in rows if r.id not in skip], len(skip)
+
+
+_guards: weakref.WeakKeyDictionary[Celery, BacklogGuard] = weakref.WeakKeyDictionary()
+_guards_lock = threading.Lock()
+
+
+def backlog_guard(app: Celery, republish_after: float) -> BacklogGuard:
+    """This process's guard for ``app`` (its memory of busy queues outlives a sweep)."""
+    with _guards_lock:
+        guard = _guards.get(app)
+        if guard is None or guard.republish_after != republish_after:
+            guard = _guards[app] = BacklogGuard(app, republish_after)
+        return guard

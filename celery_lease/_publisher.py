@@ -1,0 +1,71 @@
+"""Publishing rows: the one place that sends a PENDING row's message and records it.
+
+The row is the outbox: whoever holds a reserved PENDING row (the reaper after a lost
+or never-published message, a worker that could not claim a delivery, an operator's
+retry) publishes it here, with the message Celery built for it
+(:mod:`celery_lease._message`), and records it published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+from kombu.exceptions import OperationalError as KombuOperationalError
+
+from . import _message
+from .store import Publishable, Store
+
+logger = logging.getLogger("celery_lease.publish")
+
+
+def publish(app: Celery, store: Store, rows: Sequence[Publishable]) -> tuple[int, int]:
+    """Publish PENDING rows' messages; returns (sent, failed). Rows left unpublished
+    are published again after ``lease_publish_grace``."""
+    sent: list[str] = []
+    failed = 0
+    for row in rows:
+        if row.args is None:
+            logger.error(
+                "task %s[%s]: arguments were not stored, cannot publish; "
+                "it needs a person (`celery lease show %s`)",
+                row.name,
+                row.id,
+                row.id,
+            )
+            failed += 1
+            continue
+        try:
+            if row.message is not None:
+                _message.send_stored(app, row.message, countdown=row.countdown)
+            else:
+                _send_legacy(app, row)
+        except (KombuOperationalError, ConnectionError, OSError) as error:
+            logger.warning(
+                "broker unavailable, %d rows left to publish later: %s",
+                len(rows) - len(sent),
+                error,
+            )
+            failed += len(rows) - len(sent)
+            break
+        sent.append(row.id)
+    if sent:
+        store.mark_published(sent)
+    return len(sent), failed
+
+
+def _send_legacy(app: Celery, row: Publishable) -> None:
+    """A row stored before rows kept their message: name, arguments and routing only."""
+    options: dict[str, Any] = json.loads(row.options) if row.options else {}
+    app.send_task(
+        row.name,
+        args=json.loads(row.args or "[]"),
+        kwargs=json.loads(row.kwargs) if row.kwargs else {},
+        task_id=row.id,
+        retries=row.retries,
+        countdown=row.countdown,
+        **options,
+    )

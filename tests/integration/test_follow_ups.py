@@ -1,0 +1,89 @@
+"""Follow-ups a worker publishes (a chain's next task, a ``link`` callback, a chord's
+body) are leased tasks too: Celery publishes them through its callback-retry path,
+and their messages must be built and stored like any other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import chain, chord
+
+from celery_lease import State
+
+from ..crash.support import LeaseEnv
+from ..helpers import ExternalSystem, wait_until
+
+PROJECT = """
+from celery_lease import LeasedTask
+
+@app.task(base=LeasedTask, shared=False, name="f.double")
+def double(x):
+    return 2 * x
+
+@app.task(base=LeasedTask, bind=True, shared=False, name="f.retry_once", max_retries=2)
+def retry_once(self, x):
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.1)
+    return x + 1
+
+@app.task(base=LeasedTask, shared=False, name="f.total")
+def total(values):
+    return sum(values)
+"""
+
+
+@pytest.fixture
+def lease_env(
+    celery_project: Callable[..., Any],
+    lease_config: Callable[..., Any],
+    make_store: Callable[..., Any],
+    external: ExternalSystem,
+    harness: Any,
+    tmp_path: Path,
+) -> LeaseEnv:
+    return LeaseEnv(
+        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
+    )
+
+
+@pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)
+def test_chain_link_and_chord_follow_ups_run_once_as_leased_tasks(
+    lease_env: LeaseEnv, broker_url: str, tmp_path: Path
+) -> None:
+    p = lease_env.project(
+        broker_url=broker_url,
+        source=PROJECT,
+        settings={"result_backend": f"db+sqlite:///{tmp_path / 'results.sqlite3'}"},
+    )
+    app = p.module.app
+    double, total = app.tasks["f.double"], app.tasks["f.total"]
+    p.worker(concurrency=2)
+
+    chained = chain(double.s(1), double.s(), double.s()).apply_async()
+    linked = double.apply_async((5,), link=double.s())
+    # a retry keeps the callbacks of its delivery (Celery passes them to its retry)
+    retried = app.tasks["f.retry_once"].apply_async((40,), link=double.s())
+    chorded = chord(double.s(i) for i in range(4))(total.s())
+
+    assert chained.get(timeout=60) == 8
+    assert chorded.get(timeout=60) == 12
+    assert linked.get(timeout=60) == 10
+    assert retried.get(timeout=60) == 41
+    # the callback is published by the worker after the result is stored: wait for it
+    callback = wait_until(
+        lambda: next((r for r in p.store.list_tasks(limit=100) if r.args == [41]), None),
+        timeout=30,
+        message="the retried task's link= callback was submitted",
+    )
+    assert p.wait_state(callback.id, State.SUCCEEDED, timeout=30).result == 82
+    # each follow-up has its own row, SUCCEEDED on its first attempt, with its message
+    followers = [chained.id, chained.parent.id, chorded.id]
+    for task_id in followers:
+        record = p.wait_state(task_id, State.SUCCEEDED, timeout=30)
+        assert record.attempt == 1 and record.message is not None
+    linked_rows = [r for r in p.store.list_tasks(limit=100) if r.args == [10]]
+    assert len(linked_rows) == 1 and linked_rows[0].state is State.SUCCEEDED
+    assert linked_rows[0].result == 20
