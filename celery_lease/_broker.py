@@ -138,8 +138,8 @@ class BacklogGuard:
         queued = self.still_queued([(r.id, r.name, r.options) for r in rows])
         if not queued:
             return list(rows), 0
-        held = set(store.hold_published([r.id for r in rows if r.id in queued]))
-        return [r for r in rows if r.id not in held], len(held)
+        skip = set(store.hold_published([r.id for r in rows if r.id in queued]))
+        return [r for r in rows if r.id not in skip], len(skip)
 
 
 _guards: weakref.WeakKeyDictionary[Celery, BacklogGuard] = weakref.WeakKeyDictionary()

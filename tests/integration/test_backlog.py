@@ -97,6 +97,7 @@ def test_a_backlog_stays_one_message_per_task(lease_env: LeaseEnv, broker_url: s
     # than lease_republish_after after the queue drained is re-published (by age, as
     # a lost one), and how many do depends on the machine's load
     assert per_task < 2.0  # never once more per task
+
     assert p.external.count("add") == n  # each ran once
 
 
