@@ -44,7 +44,7 @@ class Submitted:
     """What one item of a bulk submission became."""
 
     #: The task's result handle (the existing task's, for a duplicate).
-    result: AsyncResult  # type: ignore[type-arg]
+    result: AsyncResult[Any]
     #: ``False``: a task with the same dedup key (or id) existed; nothing was published.
     created: bool
 
@@ -133,9 +133,10 @@ def bulk(app: Celery | None = None) -> Iterator[list[Submitted]]:
     if _active.get() is not None:
         raise RuntimeError("celery_lease.bulk() blocks do not nest")
     if app is None:
-        from celery import current_app
+        # what celery.current_app stands for
+        from celery._state import get_current_app
 
-        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        app = get_current_app()
     batch = _Batch(app)
     token = _active.set(batch)
     submitted: list[Submitted] = []

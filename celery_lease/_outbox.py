@@ -127,7 +127,7 @@ def submit_in_transaction(
     connection: Any,
     outgoing: Outgoing,
     producer: Any,
-) -> AsyncResult:  # type: ignore[type-arg]
+) -> AsyncResult[Any]:
     """Insert the row with ``connection`` and publish once its transaction commits.
 
     See the module docstring for when the publish happens on each kind of connection.

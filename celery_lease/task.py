@@ -62,7 +62,7 @@ def _aware_eta(app: Any, eta: Any) -> datetime | None:
     return aware
 
 
-class LeasedTask(Task):  # type: ignore[type-arg]
+class LeasedTask(Task[Any, Any]):
     """Base class for crash-safe tasks: ``@app.task(base=LeasedTask)``.
 
     Options (decorator keyword arguments or class attributes):
@@ -147,7 +147,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         dedup_key: str | None = None,
         connection: Any = None,
         **options: Any,
-    ) -> AsyncResult:  # type: ignore[type-arg]
+    ) -> AsyncResult[Any]:
         """Write the task's row (PENDING) with the message Celery built, then publish it.
 
         ``dedup_key``: a second submission with the same key returns the first task's
@@ -282,7 +282,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             **self.lease_options(config),
         )
 
-    def _publish(self, rt: Any, outgoing: _message.Outgoing, producer: Any) -> AsyncResult:  # type: ignore[type-arg]
+    def _publish(self, rt: Any, outgoing: _message.Outgoing, producer: Any) -> AsyncResult[Any]:
         """Send a message whose row is committed (PENDING, not yet marked published)."""
         task_id = outgoing.task_id
         try:
@@ -691,7 +691,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         link_error: Any,
         shadow: str | None,
         options: dict[str, Any],
-    ) -> AsyncResult:  # type: ignore[type-arg]
+    ) -> AsyncResult[Any]:
         """The message of Celery's retry() (its ``link``, ``link_error`` and ``shadow``
         too): stored in the row (fenced), then sent."""
         rt = runtime(self.app)

@@ -32,6 +32,7 @@ class Store(
     ExpiryMixin,
     OutcomeMixin,
     ClaimMixin,
+    SubmitManyMixin,
     ProducerMixin,
     SetupMixin,
     StepsMixin,
@@ -42,7 +43,6 @@ class Store(
     HealthMixin,
     PausesMixin,
     BacklogMixin,
-    SubmitManyMixin,
     StoreBase,
 ):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""

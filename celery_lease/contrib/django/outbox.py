@@ -43,7 +43,7 @@ ALIAS_SETTING = "CELERY_LEASE_DATABASE_ALIAS"
 _PUBLISH_ONLY = ("producer", "link", "link_error", "shadow")
 
 
-def delay_on_commit(task: LeasedTask, *args: Any, **kwargs: Any) -> AsyncResult:  # type: ignore[type-arg]
+def delay_on_commit(task: LeasedTask, *args: Any, **kwargs: Any) -> AsyncResult[Any]:
     """``task.delay(*args, **kwargs)``, transactional: see :func:`apply_async_on_commit`."""
     return apply_async_on_commit(task, args, kwargs)
 
@@ -55,7 +55,7 @@ def apply_async_on_commit(
     *,
     using: str | None = None,
     **options: Any,
-) -> AsyncResult:  # type: ignore[type-arg]
+) -> AsyncResult[Any]:
     """Write ``task``'s row in the current transaction of ``DATABASES[using]``; publish
     its message when that transaction commits (nothing, if it rolls back).
 
