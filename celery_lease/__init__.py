@@ -5,9 +5,9 @@ optional dedup key, per-step checkpoints and a heartbeat lease; a reaper moves
 tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
-from ._bulk_submit import Submitted, bulk
 from ._outbox import outbox_transaction
 from ._runtime import install
+from ._submission import Submitted, bulk
 
 # through the submodule ``admin``: importing it binds ``celery_lease.admin`` to the
 # module, and the function must be bound after that, here, not by a later import

@@ -191,7 +191,7 @@ class BulkOps:
         ``dry_run`` changes nothing and reports what would change and where it would
         stop. ``reason`` is required; at least one filter is, too. ``limit`` caps the
         tasks taken."""
-        from .reaper import Reaper
+        from . import _publisher
         from .states import action_sources
         from .store._bulk import Filter
 
@@ -266,6 +266,5 @@ class BulkOps:
                 dataclasses.replace(c, from_state=moved.get(c.id, c.from_state)) for c in plan
             ]
             if action == "retry":
-                reaper = Reaper(self.app, actor=f"admin:{who}", store=store)
-                reaper.publish(store.take_pending(ids))
+                _publisher.publish(self.app, store, store.take_pending(ids))
         return BulkResult(action, dry_run, changed, refused, batches)

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery.result import AsyncResult
 from sqlalchemy import Connection, Engine, event, exc
@@ -36,10 +36,17 @@ from .store._base import TransitionEvent
 from .store._engine import wrap
 
 if TYPE_CHECKING:
-    from ._message import Outgoing
     from ._runtime import Runtime
     from .store import Store
-    from .task import LeasedTask
+
+
+class _Task(Protocol):
+    """What the outbox needs of the submitted task: its name and result handles."""
+
+    name: str
+
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> AsyncResult[Any]: ...
+
 
 logger = logging.getLogger("celery_lease")
 
@@ -121,13 +128,12 @@ def outbox_transaction(bind: Engine | Connection) -> Iterator[Connection]:
 
 
 def submit_in_transaction(
-    task: LeasedTask,
+    task: _Task,
     rt: Runtime,
     new: NewTask,
     connection: Any,
-    outgoing: Outgoing,
-    producer: Any,
-) -> AsyncResult:  # type: ignore[type-arg]
+    send: Callable[[], object],
+) -> AsyncResult[Any]:
     """Insert the row with ``connection`` and publish once its transaction commits.
 
     See the module docstring for when the publish happens on each kind of connection.
@@ -153,7 +159,7 @@ def submit_in_transaction(
 
     def publish() -> None:
         rt.store._dispatch(events)
-        task._publish(rt, outgoing, producer)
+        send()
 
     if session is not None:
         holder = session.get_nested_transaction() or session.get_transaction()

@@ -16,6 +16,7 @@ from typing import Any
 
 from celery import Celery
 
+from . import _publisher
 from ._execution import encode
 from ._incident import BulkOps, PauseOps
 from ._runtime import default_actor, runtime
@@ -217,7 +218,7 @@ class Admin(PauseOps, BulkOps):
             actor=who,
             reason=reason or f"retried by {who}",
         )
-        Reaper(self.app, actor=f"admin:{who}", store=store).publish(store.take_pending([task_id]))
+        _publisher.publish(self.app, store, store.take_pending([task_id]))
         return frm
 
     def fail(self, task_id: str, *, actor: str | None = None, reason: str) -> State:

@@ -14,16 +14,13 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
-from celery.utils import uuid
-from kombu.exceptions import OperationalError as KombuOperationalError
 
-from . import _message, _publisher
-from ._bulk_submit import Submitted, collecting, submit_many
+from . import _message, _publisher, _submission
 from ._crashpoints import armed, crash_point, step_crash_point
 from ._execution import Execution, StoreDownDuringTask, encode
-from ._limits import Schedule, check_submission
 from ._outcome_writer import hand_over
 from ._runtime import install, runtime
+from ._submission import Submitted
 from .config import LeaseConfig
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
 from .states import State
@@ -31,8 +28,6 @@ from .store import NewTask, Outcome, Refusal, Store, dumps
 
 logger = logging.getLogger("celery_lease")
 
-#: apply_async options kept in the row so that a re-published message is routed the same way.
-_ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
 _ON_TIMEOUT = ("retry", "manual")
 _ON_EXHAUSTED = ("fail", "manual")
 
@@ -63,7 +58,7 @@ def _aware_eta(app: Any, eta: Any) -> datetime | None:
     return aware
 
 
-class LeasedTask(Task):  # type: ignore[type-arg]
+class LeasedTask(Task[Any, Any]):
     """Base class for crash-safe tasks: ``@app.task(base=LeasedTask)``.
 
     Options (decorator keyword arguments or class attributes):
@@ -148,7 +143,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         dedup_key: str | None = None,
         connection: Any = None,
         **options: Any,
-    ) -> AsyncResult:  # type: ignore[type-arg]
+    ) -> AsyncResult[Any]:
         """Write the task's row (PENDING) with the message Celery built, then publish it.
 
         ``dedup_key``: a second submission with the same key returns the first task's
@@ -172,32 +167,19 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             return self._publish_retry(
                 retrying, args, kwargs, producer, link, link_error, shadow, options
             )
-        rt = runtime(app)
-        task_id = task_id or uuid()
-        # checked first: arguments that cannot be stored raise before Celery runs
-        args_text, kwargs_text = self._encode_arguments(args, kwargs)
-        when = self._check(rt.config, task_id, dedup_key, args_text, kwargs_text, options)
-        outgoing = _message.build(
-            self, args, kwargs, task_id, link, link_error, shadow, producer, **options
+        return _submission.submit(
+            self,
+            args,
+            kwargs,
+            task_id,
+            producer,
+            link,
+            link_error,
+            shadow,
+            dedup_key,
+            connection,
+            options,
         )
-        new = self._new_row(
-            rt.config, task_id, args_text, kwargs_text, dedup_key, options, when, outgoing.stored()
-        )
-        if connection is None and dedup_key is None:
-            batch = collecting(app)
-            if batch is not None:  # inside celery_lease.bulk(): written when the block ends
-                batch.add(new, outgoing, producer)
-                return outgoing.result
-        if connection is not None:
-            from ._outbox import submit_in_transaction
-
-            return submit_in_transaction(self, rt, new, connection, outgoing, producer)
-        tid, created = rt.store.submit(new)
-        crash_point("after_insert")
-        if not created:
-            logger.info("task %s[%s]: already submitted (dedup), nothing published", self.name, tid)
-            return self.AsyncResult(tid)
-        return self._publish(rt, outgoing, producer)
 
     def submit_many(
         self, items: Iterable[Sequence[Any] | Mapping[str, Any]], **options: Any
@@ -220,89 +202,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             NotSerializable, InvalidSubmission: as ``apply_async``, for the first bad
                 item (nothing is written).
         """
-        return submit_many(self, items, options)
-
-    def _encode_arguments(self, args: Any, kwargs: Any) -> tuple[str, str]:
-        return (
-            encode(f"arguments of {self.name}", list(args or ())),
-            encode(f"keyword arguments of {self.name}", dict(kwargs or {})),
-        )
-
-    def _check(
-        self,
-        config: LeaseConfig,
-        task_id: str,
-        dedup_key: str | None,
-        args_text: str,
-        kwargs_text: str,
-        options: dict[str, Any],
-    ) -> Schedule:
-        """The documented limits of a submission, checked before anything is built or
-        written; its schedule (a naive ``eta`` is in the app's timezone, as Celery's
-        worker reads it)."""
-        eta = options.get("eta")
-        if isinstance(eta, datetime) and eta.tzinfo is None:
-            eta = eta.replace(tzinfo=self.app.timezone)
-        return check_submission(
-            task_name=self.name,
-            task_id=task_id,
-            dedup_key=dedup_key,
-            args_text=args_text,
-            kwargs_text=kwargs_text,
-            countdown=options.get("countdown"),
-            eta=eta,
-            args_max_bytes=config.args_max_bytes,
-        )
-
-    def _new_row(
-        self,
-        config: LeaseConfig,
-        task_id: str,
-        args_text: str,
-        kwargs_text: str,
-        dedup_key: str | None,
-        options: dict[str, Any],
-        when: Schedule,
-        message: str | None,
-    ) -> NewTask:
-        routing: dict[str, Any] = {}
-        for key in _ROUTING_OPTIONS:
-            value = options.get(key)
-            if value is not None:
-                routing[key] = getattr(value, "name", value)
-        return NewTask(
-            id=task_id,
-            name=self.name,
-            args=args_text,
-            kwargs=kwargs_text,
-            options=dumps(routing),
-            dedup_key=dedup_key,
-            countdown=when.countdown,
-            eta=when.eta,
-            message=message,
-            **self.lease_options(config),
-        )
-
-    def _publish(self, rt: Any, outgoing: _message.Outgoing, producer: Any) -> AsyncResult:  # type: ignore[type-arg]
-        """Send a message whose row is committed (PENDING, not yet marked published)."""
-        task_id = outgoing.task_id
-        try:
-            _message.send(self.app, outgoing, producer)
-        except (KombuOperationalError, ConnectionError, OSError) as error:
-            # the row is the outbox: the reaper publishes its message once the broker is back
-            logger.warning(
-                "task %s[%s] recorded but not published (%s): the reaper will publish it",
-                self.name,
-                task_id,
-                error,
-            )
-            return outgoing.result
-        crash_point("after_publish")
-        # recorded a few ms later, with others, or inside this process's next submit: if
-        # that never happens the row is re-published after lease_publish_grace and the
-        # extra message is dropped at claim
-        rt.store.mark_published_soon(task_id)
-        return outgoing.result
+        return _submission.submit_many(self, items, options)
 
     # -- worker: claim, run, outcome ---------------------------------------------------
 
@@ -695,7 +595,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
         link_error: Any,
         shadow: str | None,
         options: dict[str, Any],
-    ) -> AsyncResult:  # type: ignore[type-arg]
+    ) -> AsyncResult[Any]:
         """The message of Celery's retry() (its ``link``, ``link_error`` and ``shadow``
         too): stored in the row (fenced), then sent."""
         rt = runtime(self.app)
@@ -730,7 +630,7 @@ class LeasedTask(Task):  # type: ignore[type-arg]
             )
             return outgoing.result
         crash_point("after_retry_recorded")
-        return self._publish(rt, outgoing, producer)
+        return _submission.publish(self, rt, outgoing, producer)
 
     # -- inside the task: steps, progress, cancellation --------------------------------
 

@@ -22,7 +22,7 @@ from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from . import _stores  # noqa: F401  (registers the lease_store remote-control command)
+from . import _publisher, _stores  # noqa: F401  (registers the lease_store remote-control command)
 from ._execution import StoreDownDuringTask
 from ._outcome_writer import OutcomeWriter, writer_config
 from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
@@ -194,7 +194,7 @@ class WorkerService:
                     only_expired=False,
                 )
                 # a child lost before its claim leaves a PENDING row whose message is gone
-                self.reaper.publish(self.store.take_pending([task_id]))
+                _publisher.publish(self.rt.app, self.store, self.store.take_pending([task_id]))
             elif kind == "revoked":
                 try:
                     self.store.request_cancel(task_id, actor=inc.actor, reason=reason)

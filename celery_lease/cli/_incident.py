@@ -7,7 +7,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -175,7 +175,7 @@ def with_filters(action: str) -> Callable[[F], F]:
         ]
         for option in reversed(options):
             wrapper = option(wrapper)
-        return wrapper  # type: ignore[return-value]
+        return cast(F, wrapper)
 
     return decorate
 

@@ -37,7 +37,7 @@ from .._runtime import runtime
 from ..admin import Admin, admin
 from ..records import TaskRecord, TransitionRecord
 from ..testing import SideEffects, WorkerProcess, pid_alive, wait_until
-from .app import DATA_ENV, STEP_SECONDS_ENV, STEPS
+from ._names import DATA_ENV, STEP_SECONDS_ENV, STEPS
 
 T = TypeVar("T")
 

@@ -19,15 +19,14 @@ from celery import Celery
 from celery_lease import LeasedTask
 from celery_lease.testing import SideEffects
 
-#: Environment variables the demo sets for itself and its workers.
-DATA_ENV = "CELERY_LEASE_DEMO_DATA"
-STEP_SECONDS_ENV = "CELERY_LEASE_DEMO_STEP_SECONDS"
+from ._names import DATA_ENV, STEP_SECONDS_ENV, STEPS
 
 DATA = Path(os.environ.get(DATA_ENV, "demo-data")).resolve()
 STEP_SECONDS = float(os.environ.get(STEP_SECONDS_ENV, "0.7"))
-STEPS = ("reserve", "charge", "ship")
 
-app = Celery("demo_app", broker="filesystem://localhost/")
+# not the current app: importing the demo (its tests do) must not change another
+# program's current app
+app = Celery("demo_app", broker="filesystem://localhost/", set_as_current=False)
 app.conf.update(
     broker_transport_options={
         "data_folder_in": str(DATA / "broker"),

@@ -34,6 +34,7 @@ class Store(
     ExpiryMixin,
     OutcomeMixin,
     ClaimMixin,
+    SubmitManyMixin,
     ProducerMixin,
     SetupMixin,
     StepsMixin,
@@ -44,7 +45,6 @@ class Store(
     HealthMixin,
     PausesMixin,
     BacklogMixin,
-    SubmitManyMixin,
     StoreBase,
 ):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""

@@ -8,38 +8,21 @@ read. The row is still written before its message is published.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from typing import Any
 
-from sqlalchemy import Connection, insert, or_, select
+from sqlalchemy import Connection, or_, select
 
 from ..states import Actor, State
-from ._base import StoreBase, TransitionEvent
-from ._sql import after, db_now
+from ._base import TransitionEvent
+from ._producer import ProducerMixin, _submit_params
 from ._types import NewTask
 
 #: Rows per statement: well under SQLite's and PostgreSQL's bound-parameter limits.
 BATCH_SIZE = 500
 
-#: Columns of a new row taken from :class:`NewTask` as they are.
-_COLUMNS = (
-    "id",
-    "name",
-    "dedup_key",
-    "args",
-    "kwargs",
-    "options",
-    "message",
-    "lease_ttl",
-    "max_runtime",
-    "max_retries",
-    "on_timeout",
-    "on_exhausted",
-    "max_recoveries",
-)
 
-
-class SubmitManyMixin(StoreBase):
+class SubmitManyMixin(ProducerMixin):
     def submit_many(
         self, rows: Sequence[NewTask], *, batch_size: int = BATCH_SIZE
     ) -> list[tuple[str, bool]]:
@@ -64,39 +47,31 @@ class SubmitManyMixin(StoreBase):
     def _submit_chunk(
         self, conn: Connection, rows: Sequence[NewTask], is_retry: bool
     ) -> list[tuple[str, bool]]:
-        t, tr = self.t.tasks, self.t.transitions
-        now = db_now()
-        values: list[dict[str, Any]] = []
-        for new in rows:
-            row: dict[str, Any] = {c: getattr(new, c) for c in _COLUMNS}
-            row.update(
-                state=State.PENDING.value,
-                created_at=now,
-                updated_at=now,
-                reason="submitted",
-                eta=after(now, new.countdown) if new.countdown is not None else new.eta,
+        # the single-row statements of submit(), built once and run as executemany:
+        # SQLAlchemy sends each as multi-row INSERT ... VALUES pages ("insertmanyvalues")
+        created: set[str] = set()
+        for countdown in (False, True):
+            params = [_submit_params(n) for n in rows if (n.countdown is not None) is countdown]
+            if not params:
+                continue
+            stmt = self._prepared(
+                ("submit", countdown), functools.partial(self._submit_insert, countdown)
             )
-            values.append(row)
-        inserted = self._insert(t).values(values).on_conflict_do_nothing().returning(t.c.id)
-        created = {str(i) for i in conn.execute(inserted).scalars()}
+            created.update(str(i) for i in conn.execute(stmt, params).scalars())
         if created:
-            conn.execute(
-                insert(tr).values(
-                    [
-                        {
-                            "task_id": new.id,
-                            "from_state": None,
-                            "to_state": State.PENDING.value,
-                            "reason": "submitted",
-                            "actor": Actor.PRODUCER.value,
-                            "attempt": 0,
-                            "at": now,
-                        }
-                        for new in rows
-                        if new.id in created
-                    ]
-                )
-            )
+            audit = [
+                {
+                    "b_task_id": new.id,
+                    "b_from": None,
+                    "b_to": State.PENDING.value,
+                    "b_reason": "submitted",
+                    "b_actor": Actor.PRODUCER.value,
+                    "b_attempt": 0,
+                }
+                for new in rows
+                if new.id in created
+            ]
+            conn.execute(self._prepared("audit", self._audit_insert), audit)
             for new in rows:
                 if new.id in created:
                     self._record_event(
@@ -110,6 +85,7 @@ class SubmitManyMixin(StoreBase):
                             0,
                         )
                     )
+        t = self.t.tasks
         others = [new for new in rows if new.id not in created]
         if not others:
             return [(new.id, True) for new in rows]

@@ -30,7 +30,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from ... import _message
+from ... import _submission
 from ..._outbox import submit_capturing
 from ..._runtime import runtime
 from ...exceptions import ConfigurationError
@@ -43,7 +43,7 @@ ALIAS_SETTING = "CELERY_LEASE_DATABASE_ALIAS"
 _PUBLISH_ONLY = ("producer", "link", "link_error", "shadow")
 
 
-def delay_on_commit(task: LeasedTask, *args: Any, **kwargs: Any) -> AsyncResult:  # type: ignore[type-arg]
+def delay_on_commit(task: LeasedTask, *args: Any, **kwargs: Any) -> AsyncResult[Any]:
     """``task.delay(*args, **kwargs)``, transactional: see :func:`apply_async_on_commit`."""
     return apply_async_on_commit(task, args, kwargs)
 
@@ -55,7 +55,7 @@ def apply_async_on_commit(
     *,
     using: str | None = None,
     **options: Any,
-) -> AsyncResult:  # type: ignore[type-arg]
+) -> AsyncResult[Any]:
     """Write ``task``'s row in the current transaction of ``DATABASES[using]``; publish
     its message when that transaction commits (nothing, if it rolls back).
 
@@ -94,21 +94,17 @@ def apply_async_on_commit(
     dedup_key = options.pop("dedup_key", None)
     publish_only = {key: options.pop(key, None) for key in _PUBLISH_ONLY}
     rt = runtime(task.app)
-    args_text, kwargs_text = task._encode_arguments(args, kwargs)
-    when = task._check(rt.config, task_id, dedup_key, args_text, kwargs_text, options)
-    outgoing = _message.build(
+    new, outgoing = _submission.prepare(
         task,
         args,
         kwargs,
         task_id,
-        publish_only["link"],
-        publish_only["link_error"],
-        publish_only["shadow"],
-        publish_only["producer"],
-        **options,
-    )
-    new = task._new_row(
-        rt.config, task_id, args_text, kwargs_text, dedup_key, options, when, outgoing.stored()
+        dedup_key,
+        options,
+        link=publish_only["link"],
+        link_error=publish_only["link_error"],
+        shadow=publish_only["shadow"],
+        producer=publish_only["producer"],
     )
     connection = connections[alias]
     check_same_database(rt.store, connection.settings_dict, alias)
@@ -120,7 +116,7 @@ def apply_async_on_commit(
 
     def publish() -> None:
         rt.store._dispatch(events)
-        task._publish(rt, outgoing, publish_only["producer"])
+        _submission.publish(task, rt, outgoing, publish_only["producer"])
 
     transaction.on_commit(publish, using=alias)
     return task.AsyncResult(tid)

@@ -1,14 +1,22 @@
-"""Bulk submission: many leased tasks written in multi-row statements, then published.
+"""Submission: the one path from ``apply_async`` to a written row and a sent message.
+
+Every way a leased task is submitted goes through here: ``apply_async`` (publish at
+once), ``connection=`` (publish after a SQLAlchemy ``Session`` or ``Connection``
+commits, in :mod:`celery_lease._outbox`), Django's ``on_commit``
+(:mod:`celery_lease.contrib.django.outbox`), and bulk submission. Each prepares the
+same value first, :func:`prepare`: the arguments checked against the documented limits
+and encoded, the message Celery built (:mod:`celery_lease._message`) and the row that
+holds it; only the *when to publish* differs. The row is always written before its
+message is published (the row is the outbox).
+
+Bulk submission:
 
 * :meth:`LeasedTask.submit_many <celery_lease.LeasedTask.submit_many>` submits one
   task with many argument sets, each with its own ``dedup_key``, ``countdown`` or
   ``eta``; duplicates are reported per item.
 * :func:`bulk` is a block inside which every leased ``apply_async`` (so a ``group``,
-  a ``chord``'s header, ``chunks``) is collected; at the end of the block the rows are
+  a chord's header, ``chunks``) is collected; at the end of the block the rows are
   written, a few hundred per statement, and then the messages are published.
-
-Either way every row is checked and every message built before anything is written,
-and every row is written before its message is published (the row is the outbox).
 """
 
 from __future__ import annotations
@@ -18,20 +26,176 @@ import contextvars
 import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from datetime import datetime
+from typing import Any, Protocol
 
 from celery import Celery
+from celery import result as _result
 from celery.result import AsyncResult
 from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import _message
 from ._crashpoints import crash_point
-from ._runtime import runtime
-from .store import NewTask
+from ._execution import encode
+from ._limits import check_submission
+from ._runtime import Runtime, runtime
+from .config import LeaseConfig
+from .store import NewTask, dumps
 
-if TYPE_CHECKING:
-    from .task import LeasedTask
+#: apply_async options kept in the row so that a re-published message is routed the same way.
+_ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
+
+
+class LeasableTask(Protocol):
+    """What submission needs of a task (``LeasedTask`` is one)."""
+
+    name: str
+
+    @property
+    def app(self) -> Celery: ...
+
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> _result.AsyncResult[Any]: ...
+
+    def lease_options(self, config: LeaseConfig) -> dict[str, Any]: ...
+
+    def apply_async(self, *args: Any, **kwargs: Any) -> _result.AsyncResult[Any]: ...
+
+
+def prepare(
+    task: LeasableTask,
+    args: Any,
+    kwargs: Any,
+    task_id: str,
+    dedup_key: str | None,
+    options: dict[str, Any],
+    *,
+    link: Any = None,
+    link_error: Any = None,
+    shadow: str | None = None,
+    producer: Any = None,
+) -> tuple[NewTask, _message.Outgoing]:
+    """The row and the message of one submission, nothing written or sent yet.
+
+    The arguments are encoded and checked against the documented limits first (a naive
+    ``eta`` is in the app's timezone, as Celery's worker reads it), so a bad submission
+    raises before Celery builds anything.
+
+    Raises:
+        NotSerializable: the arguments cannot be stored as JSON.
+        InvalidSubmission: an argument is outside the documented limits.
+    """
+    config = runtime(task.app).config
+    args_text = encode(f"arguments of {task.name}", list(args or ()))
+    kwargs_text = encode(f"keyword arguments of {task.name}", dict(kwargs or {}))
+    eta = options.get("eta")
+    if isinstance(eta, datetime) and eta.tzinfo is None:
+        eta = eta.replace(tzinfo=task.app.timezone)
+    when = check_submission(
+        task_name=task.name,
+        task_id=task_id,
+        dedup_key=dedup_key,
+        args_text=args_text,
+        kwargs_text=kwargs_text,
+        countdown=options.get("countdown"),
+        eta=eta,
+        args_max_bytes=config.args_max_bytes,
+    )
+    outgoing = _message.build(
+        task, args, kwargs, task_id, link, link_error, shadow, producer, **options
+    )
+    routing: dict[str, Any] = {}
+    for key in _ROUTING_OPTIONS:
+        value = options.get(key)
+        if value is not None:
+            routing[key] = getattr(value, "name", value)
+    new = NewTask(
+        id=task_id,
+        name=task.name,
+        args=args_text,
+        kwargs=kwargs_text,
+        options=dumps(routing),
+        dedup_key=dedup_key,
+        countdown=when.countdown,
+        eta=when.eta,
+        message=outgoing.stored(),
+        **task.lease_options(config),
+    )
+    return new, outgoing
+
+
+def submit(
+    task: LeasableTask,
+    args: Any,
+    kwargs: Any,
+    task_id: str | None,
+    producer: Any,
+    link: Any,
+    link_error: Any,
+    shadow: str | None,
+    dedup_key: str | None,
+    connection: Any,
+    options: dict[str, Any],
+) -> AsyncResult[Any]:
+    """``apply_async`` of a leased task: prepare, write the row, then publish (at once,
+    after the caller's transaction commits, or at the end of a :func:`bulk` block)."""
+    rt = runtime(task.app)
+    new, outgoing = prepare(
+        task,
+        args,
+        kwargs,
+        task_id or uuid(),
+        dedup_key,
+        options,
+        link=link,
+        link_error=link_error,
+        shadow=shadow,
+        producer=producer,
+    )
+    if connection is None and dedup_key is None:
+        batch = collecting(task.app)
+        if batch is not None:  # inside celery_lease.bulk(): written when the block ends
+            batch.add(new, outgoing, producer)
+            return outgoing.result
+    if connection is not None:
+        from ._outbox import submit_in_transaction
+
+        return submit_in_transaction(
+            task, rt, new, connection, lambda: publish(task, rt, outgoing, producer)
+        )
+    tid, created = rt.store.submit(new)
+    crash_point("after_insert")
+    if not created:
+        logger.info("task %s[%s]: already submitted (dedup), nothing published", task.name, tid)
+        return task.AsyncResult(tid)
+    return publish(task, rt, outgoing, producer)
+
+
+def publish(
+    task: LeasableTask, rt: Runtime, outgoing: _message.Outgoing, producer: Any
+) -> AsyncResult[Any]:
+    """Send a message whose row is committed (PENDING, not yet marked published)."""
+    task_id = outgoing.task_id
+    try:
+        _message.send(task.app, outgoing, producer)
+    except (KombuOperationalError, ConnectionError, OSError) as error:
+        # the row is the outbox: the reaper publishes its message once the broker is back
+        logger.warning(
+            "task %s[%s] recorded but not published (%s): the reaper will publish it",
+            task.name,
+            task_id,
+            error,
+        )
+        return outgoing.result
+    crash_point("after_publish")
+    # recorded a few ms later, with others, or inside this process's next submit: if
+    # that never happens the row is re-published after lease_publish_grace and the
+    # extra message is dropped at claim
+    rt.store.mark_published_soon(task_id)
+    return outgoing.result
+
+
+# -- bulk submission ----------------------------------------------------------------------
 
 logger = logging.getLogger("celery_lease")
 
@@ -44,7 +208,7 @@ class Submitted:
     """What one item of a bulk submission became."""
 
     #: The task's result handle (the existing task's, for a duplicate).
-    result: AsyncResult  # type: ignore[type-arg]
+    result: AsyncResult[Any]
     #: ``False``: a task with the same dedup key (or id) existed; nothing was published.
     created: bool
 
@@ -133,9 +297,10 @@ def bulk(app: Celery | None = None) -> Iterator[list[Submitted]]:
     if _active.get() is not None:
         raise RuntimeError("celery_lease.bulk() blocks do not nest")
     if app is None:
-        from celery import current_app
+        # what celery.current_app stands for
+        from celery._state import get_current_app
 
-        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        app = get_current_app()
     batch = _Batch(app)
     token = _active.set(batch)
     submitted: list[Submitted] = []
@@ -147,7 +312,7 @@ def bulk(app: Celery | None = None) -> Iterator[list[Submitted]]:
 
 
 def submit_many(
-    task: LeasedTask,
+    task: LeasableTask,
     items: Iterable[Sequence[Any] | Mapping[str, Any]],
     options: dict[str, Any],
 ) -> list[Submitted]:
@@ -157,23 +322,17 @@ def submit_many(
         for args, kwargs, extra in _items(items):
             out.append(Submitted(task.apply_async(args, kwargs, **extra, **options), True))
         return out
-    rt = runtime(task.app)
     batch = _Batch(task.app)
     for index, (args, kwargs, extra) in enumerate(_items(items)):
         task_id = extra.pop("task_id", None) or uuid()
         dedup_key = extra.pop("dedup_key", None)
         merged = {**options, **extra}
         try:
-            args_text, kwargs_text = task._encode_arguments(args, kwargs)
-            when = task._check(rt.config, task_id, dedup_key, args_text, kwargs_text, merged)
+            new, outgoing = prepare(task, args, kwargs, task_id, dedup_key, merged)
         except Exception as error:
             if hasattr(error, "add_note"):  # Python 3.11+
                 error.add_note(f"in item {index} of submit_many()")
             raise
-        outgoing = _message.build(task, args, kwargs, task_id, **merged)
-        new = task._new_row(
-            rt.config, task_id, args_text, kwargs_text, dedup_key, merged, when, outgoing.stored()
-        )
         batch.add(new, outgoing)
     return batch.commit()
 
