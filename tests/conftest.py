@@ -476,3 +476,21 @@ def celery_project(
         )
 
     return make
+
+
+@pytest.fixture
+def lease_env(
+    celery_project: Callable[..., Any],
+    lease_config: Callable[..., Any],
+    make_store: Callable[..., Any],
+    external: ExternalSystem,
+    harness: Harness,
+    tmp_path: Path,
+) -> Any:
+    """Leased projects on this test's store and brokers (see
+    :class:`tests.crash.support.LeaseEnv`)."""
+    from .crash.support import LeaseEnv
+
+    return LeaseEnv(
+        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
+    )

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +18,7 @@ import pytest
 from celery_lease import State, admin
 
 from ..crash.support import LeaseEnv, queue_depth, report
-from ..helpers import ExternalSystem, wait_until
+from ..helpers import wait_until
 
 BROKERS = pytest.mark.parametrize(
     ("broker_url", "backend"),
@@ -30,20 +28,6 @@ BROKERS = pytest.mark.parametrize(
     ],
     indirect=True,
 )
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
 
 
 def sweep_for(api: Any, seconds: float) -> dict[str, int]:

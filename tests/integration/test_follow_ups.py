@@ -4,9 +4,7 @@ and their messages must be built and stored like any other."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from celery import chain, chord
@@ -14,7 +12,7 @@ from celery import chain, chord
 from celery_lease import State
 
 from ..crash.support import LeaseEnv
-from ..helpers import ExternalSystem, wait_until
+from ..helpers import wait_until
 
 PROJECT = """
 from celery_lease import LeasedTask
@@ -33,20 +31,6 @@ def retry_once(self, x):
 def total(values):
     return sum(values)
 """
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
 
 
 @pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 from celery.bin.base import CLIContext
@@ -23,7 +21,7 @@ from celery_lease.health import state_counts
 from celery_lease.metrics import registry
 
 from ..crash.support import LeaseEnv
-from ..helpers import ExternalSystem, wait_until
+from ..helpers import wait_until
 from .test_cli_support import Ops, ops_fixture  # noqa: F401  (the ops fixture)
 
 RULES = Path(__file__).resolve().parents[2] / "examples" / "prometheus" / "celery-lease-rules.yml"
@@ -180,20 +178,6 @@ def test_lease_stats_prints_the_figures_per_task(ops: Ops) -> None:
 
 
 # -- duplicates, counted by real workers -------------------------------------------------
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
 
 
 def test_a_worker_counts_the_duplicates_it_drops(lease_env: LeaseEnv) -> None:

@@ -9,9 +9,7 @@ were stored and published.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,23 +24,9 @@ from celery_lease import (
 )
 
 from ..crash.support import LeaseEnv, queue_depth
-from ..helpers import ExternalSystem, wait_until
+from ..helpers import wait_until
 
 LIMIT = 2000
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
 
 
 #: (apply_async keyword arguments, exception class, argument named, message fragment)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,23 +20,9 @@ from celery_lease._runtime import runtime
 from celery_lease.store._pauses import HELD
 
 from ..crash.support import LeasedProject, LeaseEnv, queue_depth
-from ..helpers import ExternalSystem, wait_until
+from ..helpers import wait_until
 
 FAST = {"heartbeat_interval": 0.2, "ttl": 2.0, "reaper_interval": 0.2, "publish_grace": 0.5}
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
 
 
 def test_pause_and_resume_are_logged_with_who_and_why(lease_env: LeaseEnv) -> None:

@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ from celery_lease.reaper import Reaper
 from celery_lease.store import Store
 
 from ..crash.support import TASKS, LeaseEnv
-from ..helpers import ExternalSystem, wait_until
+from ..helpers import wait_until
 from .test_store_contract import new_task, running, submit
 
 S = State
@@ -169,20 +168,6 @@ def retry_later(self):
     external.call("retry_later")
     raise self.retry(countdown=3600, exc=Flaky("later"))
 """
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
 
 
 @pytest.mark.parametrize(

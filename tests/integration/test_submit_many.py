@@ -8,7 +8,7 @@ workers then run every task once, a group's and a chord's too.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +23,7 @@ from celery_lease.store import NewTask, Store
 from celery_lease.store._submit_many import BATCH_SIZE
 
 from ..crash.support import LeaseEnv, queue_depth
-from ..helpers import ExternalSystem, wait_until
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
+from ..helpers import wait_until
 
 
 class Inserts:

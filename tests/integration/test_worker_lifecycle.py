@@ -9,16 +9,12 @@ worker per combination running every kind of task at once.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from celery_lease import State
 
 from ..crash.support import CLEAN_RUN, LeasedProject, LeaseEnv
-from ..helpers import ExternalSystem
 
 MATRIX = pytest.mark.parametrize(
     ("broker_url", "backend"),
@@ -30,20 +26,6 @@ MATRIX = pytest.mark.parametrize(
     ],
     indirect=True,
 )
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
 
 
 def retry_gaps(p: LeasedProject, task_id: str) -> list[float]:

@@ -3,30 +3,12 @@ leases alive with the worker's one heartbeat, however long the tasks run."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from celery_lease import State
 
 from ..crash.support import CLEAN_RUN, LeaseEnv, released
-from ..helpers import ExternalSystem, wait_until
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
+from ..helpers import wait_until
 
 
 @pytest.mark.parametrize(

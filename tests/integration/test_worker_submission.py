@@ -9,8 +9,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 from collections import Counter
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,21 +16,7 @@ import pytest
 from celery_lease import NotSerializable, State
 
 from ..crash.support import CLEAN_RUN, LeaseEnv, queue_depth, submit_in_process
-from ..helpers import ExternalSystem, wait_until
-
-
-@pytest.fixture
-def lease_env(
-    celery_project: Callable[..., Any],
-    lease_config: Callable[..., Any],
-    make_store: Callable[..., Any],
-    external: ExternalSystem,
-    harness: Any,
-    tmp_path: Path,
-) -> LeaseEnv:
-    return LeaseEnv(
-        celery_project, lease_config, make_store, external, harness.finalizers, tmp_path
-    )
+from ..helpers import wait_until
 
 
 def combo(broker: str, backend: str) -> Any:  # a pytest ParameterSet
