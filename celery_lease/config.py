@@ -122,7 +122,7 @@ class LeaseConfig:
     #: Most outcomes the writer puts in one statement.
     outcome_batch_size: int = 100
     #: Longest an outcome waits in the writer for others to share its statement.
-    outcome_flush_interval: float = 0.005
+    outcome_flush_interval: float = 0.05
     #: Outcomes the writer holds unwritten before it stops reading more (the pool's
     #: hand-over then blocks: a slow or unreachable database holds the pool back).
     outcome_buffer: int = 1000

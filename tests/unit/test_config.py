@@ -53,7 +53,7 @@ DEFAULTS = {
     "result_backend_sync": True,
     "outcome_write_through": False,
     "outcome_batch_size": 100,
-    "outcome_flush_interval": 0.005,
+    "outcome_flush_interval": 0.05,
     "outcome_buffer": 1000,
 }
 
