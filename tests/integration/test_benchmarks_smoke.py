@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,10 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
     assert "## Machine" in page and "## Targets of issue 6 at a glance" in page
     for title in SECTIONS:
         assert title in page, f"{title!r} missing from the page"
-    assert "FAILED" not in page
+    # run_all writes "## <key>: FAILED" for a benchmark that raised (the word alone
+    # also appears in the EXPLAIN plans of queries over the FAILED state)
+    failed = re.findall(r"^## (\S+): FAILED$", page, re.MULTILINE)
+    assert not failed, f"benchmarks that failed: {failed}"
 
     data = json.loads((tmp_path / "img" / "bench-data.json").read_text())
     sections = data["sections"]
