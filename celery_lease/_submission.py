@@ -41,7 +41,7 @@ from ._execution import encode
 from ._limits import check_submission
 from ._runtime import Runtime, runtime
 from .config import LeaseConfig
-from .store import NewTask, dumps
+from .store import LeaseOptions, NewTask, dumps
 
 #: apply_async options kept in the row so that a re-published message is routed the same way.
 _ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
@@ -57,7 +57,7 @@ class LeasableTask(Protocol):
 
     def AsyncResult(self, task_id: str, **kwargs: Any) -> _result.AsyncResult[Any]: ...
 
-    def lease_options(self, config: LeaseConfig) -> dict[str, Any]: ...
+    def lease_options(self, config: LeaseConfig) -> LeaseOptions: ...
 
     def apply_async(self, *args: Any, **kwargs: Any) -> _result.AsyncResult[Any]: ...
 
@@ -109,7 +109,8 @@ def prepare(
         value = options.get(key)
         if value is not None:
             routing[key] = getattr(value, "name", value)
-    new = NewTask(
+    new = NewTask.of(
+        task.lease_options(config),
         id=task_id,
         name=task.name,
         args=args_text,
@@ -119,7 +120,6 @@ def prepare(
         countdown=when.countdown,
         eta=when.eta,
         message=outgoing.stored(),
-        **task.lease_options(config),
     )
     return new, outgoing
 

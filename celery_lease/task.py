@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextvars
-import dataclasses
-import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -12,19 +10,18 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 from celery import Task
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Retry
 from celery.result import AsyncResult
 
-from . import _message, _publisher, _submission
-from ._crashpoints import armed, crash_point, step_crash_point
-from ._execution import Execution, StoreDownDuringTask, encode
-from ._outcome_writer import hand_over
+from . import _attempt, _message, _submission
+from ._crashpoints import crash_point
+from ._execution import Execution
 from ._runtime import install, runtime
 from ._submission import Submitted
 from .config import LeaseConfig
-from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
+from .exceptions import ConfigurationError
 from .states import State
-from .store import NewTask, Outcome, Refusal, Store, dumps
+from .store import LeaseOptions
 
 logger = logging.getLogger("celery_lease")
 
@@ -32,10 +29,6 @@ _ON_TIMEOUT = ("retry", "manual")
 _ON_EXHAUSTED = ("fail", "manual")
 
 
-#: The execution running in this thread (prefork child, thread pool thread, solo worker).
-_current: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
-    "celery_lease_execution", default=None
-)
 #: Set while Celery's own ``retry()`` runs for this execution: the message it publishes
 #: is the retry's, and goes through the row.
 _retrying: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
@@ -82,6 +75,9 @@ class LeasedTask(Task[Any, Any]):
     on_exhausted: ClassVar[str] = "fail"
     max_recoveries: ClassVar[int | None] = None
 
+    #: The checked options and the configuration they were checked against.
+    _lease_options: tuple[LeaseConfig, LeaseOptions] | None = None
+
     # -- binding ----------------------------------------------------------------------
 
     @classmethod
@@ -93,8 +89,17 @@ class LeasedTask(Task[Any, Any]):
         if cls.name is not None:
             rt.leased.add(cls.name)
 
-    def lease_options(self, config: LeaseConfig) -> dict[str, Any]:
-        """This task's lease options with the app's defaults applied, validated."""
+    def lease_options(self, config: LeaseConfig) -> LeaseOptions:
+        """This task's lease options with the app's defaults applied, validated (once per
+        task and configuration)."""
+        cached = self._lease_options
+        if cached is not None and cached[0] is config:
+            return cached[1]
+        options = self._check_lease_options(config)
+        self._lease_options = (config, options)
+        return options
+
+    def _check_lease_options(self, config: LeaseConfig) -> LeaseOptions:
         ttl = float(self.lease_ttl) if self.lease_ttl is not None else config.ttl
         max_runtime = self.max_runtime if self.max_runtime is not None else config.max_runtime
         recoveries = (
@@ -119,14 +124,14 @@ class LeasedTask(Task[Any, Any]):
             )
         if recoveries < 0:
             raise ConfigurationError(f"task {self.name}: max_recoveries must be >= 0")
-        return {
-            "lease_ttl": ttl,
-            "max_runtime": float(max_runtime) if max_runtime is not None else None,
-            "max_retries": self.max_retries,
-            "on_timeout": self.on_timeout,
-            "on_exhausted": self.on_exhausted,
-            "max_recoveries": recoveries,
-        }
+        return LeaseOptions(
+            lease_ttl=ttl,
+            max_runtime=float(max_runtime) if max_runtime is not None else None,
+            max_retries=self.max_retries,
+            on_timeout=self.on_timeout,
+            on_exhausted=self.on_exhausted,
+            max_recoveries=recoveries,
+        )
 
     # -- producer ---------------------------------------------------------------------
 
@@ -204,330 +209,13 @@ class LeasedTask(Task[Any, Any]):
         """
         return _submission.submit_many(self, items, options)
 
-    # -- worker: claim, run, outcome ---------------------------------------------------
+    # -- worker ----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request
         if req.called_directly or req.is_eager:
             return self.run(*args, **kwargs)
-        rt = runtime(self.app)
-        inc = rt.incarnation
-        if inc is None:
-            from .worker import start_in_process
-
-            inc = start_in_process(rt, req.hostname)
-        if inc is None:
-            raise ConfigurationError(
-                "celery-lease's worker bootstep is not running in this process: "
-                "start workers with `celery -A proj worker` on an app that uses LeasedTask"
-            )
-        store = rt.store
-        opts = self.lease_options(rt.config)
-        adopt = functools.partial(self._adoption, req, args, kwargs, opts)
-        task_id = req.id
-        if not task_id:
-            raise ConfigurationError(f"task {self.name}: a delivery without a task id")
-        # The heartbeat lapsed for a TTL and has not been renewed since: a lease claimed
-        # now would be lost at once (at the first boundary, or expired with the others
-        # when the heartbeat recovers), a recovery counted against max_recoveries for a
-        # task that never ran. Leave a PENDING row PENDING and publish it again, due after
-        # the next heartbeat (if the database does not answer, the StoreError reaches
-        # LeasedRequest.on_failure and the main process does it later). Any other
-        # delivery goes on to the claim, which drops a copy or adopts a message without
-        # a row.
-        try:
-            return self._claim_and_run(rt, inc, store, adopt, task_id, args, kwargs)
-        except StoreError as error:
-            raise StoreDownDuringTask(str(error)) from error
-
-    def _claim_and_run(
-        self,
-        rt: Any,
-        inc: Any,
-        store: Store,
-        adopt: Callable[[], NewTask],
-        task_id: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        req = self.request
-        delay = rt.config.heartbeat_interval
-        if inc.flags.fenced and self._publish_again(store, inc.actor, task_id, delay):
-            logger.info(
-                "task %s[%s]: delivery dropped without running (worker %s is self-fenced)",
-                self.name,
-                req.id,
-                inc.nodename,
-            )
-            raise Ignore()
-        if self._held_by_pause(rt, store, req):
-            raise Ignore()
-        claim = store.claim(task_id, inc.id, inc.actor, adopt=adopt)
-        if isinstance(claim, Refusal):
-            if claim.early:
-                self._publish_again(store, inc.actor, task_id)
-            else:
-                _count_duplicate(store)
-            logger.info(
-                "task %s[%s]: delivery dropped without running (%s)", self.name, req.id, claim.why
-            )
-            raise Ignore()
-        execution = Execution(
-            store=store,
-            claim=claim,
-            fenced=lambda: inc.flags.fenced,
-            check_interval=rt.config.heartbeat_interval,
-        )
-        req.retries = claim.retries
-        token = _current.set(execution)
-        try:
-            return self._run(execution, rt.config.result_max_bytes, args, kwargs)
-        finally:
-            _current.reset(token)
-
-    def _held_by_pause(self, rt: Any, store: Store, req: Any) -> bool:
-        """A delivery of a paused task name (or prefetched from a paused queue) is not
-        run: its PENDING row is marked for publishing again and waits for the pause to end
-        (:mod:`celery_lease.pause`). Whether this delivery was held."""
-        queue = (req.delivery_info or {}).get("routing_key")
-        pause = rt.pauses.match(store, self.name, queue)
-        if pause is None or not store.hold_for_pause(req.id):
-            return False
-        logger.info(
-            "task %s[%s]: delivery dropped without running: %s %s is paused (%s); "
-            "published again when it is resumed",
-            self.name,
-            req.id,
-            pause.kind,
-            pause.target,
-            pause.reason,
-        )
-        return True
-
-    def _publish_again(
-        self, store: Store, actor: str, task_id: str, delay: float | None = None
-    ) -> bool:
-        """Publish the task's message again if its row is PENDING (this delivery was not
-        claimed), due in ``delay`` seconds at the earliest; whether it was."""
-        rows = store.take_pending([task_id])
-        if delay is not None:
-            rows = [dataclasses.replace(r, countdown=max(r.countdown or 0.0, delay)) for r in rows]
-        _publisher.publish(self.app, store, rows)
-        return bool(rows)
-
-    def _run(
-        self, execution: Execution, result_limit: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        req = self.request
-        try:
-            # a cancel requested before this attempt was claimed (while a retry waited)
-            # stops it before any of its code runs again
-            execution.boundary()
-            retval = self.run(*args, **kwargs)
-            if armed():
-                step_crash_point("before_outcome", self.name)
-        except Retry:
-            raise
-        except LeaseLost as lost:
-            logger.warning(
-                "task %s[%s]: %s; stopping, nothing more written", self.name, req.id, lost
-            )
-            # A lease lost in the database is already someone else's: giving it up is a
-            # no-op (fenced by token). A lease given up because this worker self-fenced may
-            # still be ours in the database (claimed as the heartbeat recovered, after it
-            # expired our other leases): expire it now, or it stays RUNNING under a live
-            # heartbeat forever. If the database does not answer, the StoreError reaches
-            # LeasedRequest.on_failure, which expires it from the main process.
-            self._give_up(execution, str(lost))
-            raise Ignore() from lost
-        except TaskCancelled as cancelled:
-            self._outcome(
-                execution,
-                State.CANCELLED,
-                reason=f"cancelled: {cancelled.reason or 'an operator asked for it'}",
-            )
-            raise Ignore() from cancelled
-        except Ignore:
-            self._outcome(
-                execution, State.SUCCEEDED, reason="task raised Ignore: recorded as succeeded"
-            )
-            raise
-        except Reject as reject:
-            if isinstance(getattr(reject, "reason", None), StoreError):
-                # Celery's retry() wraps a failed publication of the retry: the store did
-                # not answer while the retry was recorded
-                raise reject.reason from reject  # type: ignore[attr-defined]
-            if getattr(reject, "requeue", False):
-                # the broker keeps the message and delivers it again: the row waits for it
-                self._retry_outcome(
-                    execution,
-                    0.0,
-                    "task rejected its message with requeue: retried at once",
-                    repr(reject),
-                    requeued=True,
-                )
-            else:
-                self._outcome(
-                    execution,
-                    State.FAILED,
-                    reason="task rejected its message without requeue",
-                    error=repr(reject),
-                )
-            raise
-        except StoreError:
-            # the database failed, not the task: no outcome can be written now, and the
-            # row must not stay RUNNING under this worker's live heartbeat. The worker's
-            # main process (LeasedRequest.on_failure) expires the lease as soon as the
-            # database answers; the policy then retries, or hands the task to a person if
-            # a non-idempotent step was in flight.
-            raise
-        except Exception as error:
-            self._outcome(
-                execution,
-                State.FAILED,
-                reason=f"task raised {type(error).__name__}",
-                error=f"{type(error).__name__}: {error}",
-            )
-            raise
-        stored, reason = self._encode_result(retval, result_limit)
-        if stored is None:
-            refused = self._backend_refuses(retval)
-            if refused is not None:
-                # Celery's tracer will fail to store this result and report FAILURE
-                # (EncodeError): the row says the same, not SUCCEEDED
-                self._outcome(
-                    execution,
-                    State.FAILED,
-                    reason="the result backend cannot serialize the result",
-                    error=refused,
-                )
-                return retval
-        if not self._outcome(execution, State.SUCCEEDED, reason=reason, result=stored):
-            raise Ignore()
-        return retval
-
-    def _backend_refuses(self, value: Any) -> str | None:
-        """Why the app's result backend cannot store ``value`` (``None``: it can, or it
-        stores nothing)."""
-        from celery.backends.base import DisabledBackend
-
-        req = self.request
-        ignored = req.ignore_result if req.ignore_result is not None else self.ignore_result
-        backend = self.backend
-        if ignored or isinstance(backend, DisabledBackend):
-            return None
-        try:
-            backend.encode(backend.prepare_value(value))
-        except Exception as error:
-            return f"{type(error).__name__}: {error}"
-        return None
-
-    def _adoption(
-        self, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any], opts: dict[str, Any]
-    ) -> NewTask:
-        """The row to create if this message was sent without one (e.g. by name)."""
-        try:
-            args_text: str | None = encode("arguments", list(args))
-            kwargs_text: str | None = encode("keyword arguments", dict(kwargs))
-        except NotSerializable:
-            args_text = kwargs_text = None
-        info = req.delivery_info or {}
-        routing = {"exchange": info.get("exchange"), "routing_key": info.get("routing_key")}
-        message: str | None = None
-        if args_text is not None:
-            # the message as Celery rebuilds it from a request (what its retry() sends):
-            # chain, callbacks, chord, limits and headers of the delivery survive
-            try:
-                sig = self.signature_from_request(req, args, kwargs)
-                options = {k: v for k, v in sig.options.items() if k != "task_id"}
-                message = _message.build(
-                    self, sig.args, sig.kwargs, req.id, add_to_parent=False, **options
-                ).stored()
-            except Exception as error:  # adopting must not fail on the message
-                logger.warning("task %s[%s]: message not stored: %s", self.name, req.id, error)
-        return NewTask(
-            id=req.id,
-            name=self.name,
-            args=args_text,
-            kwargs=kwargs_text,
-            options=dumps({k: v for k, v in routing.items() if v}),
-            message=message,
-            **opts,
-        )
-
-    @staticmethod
-    def _encode_result(value: Any, limit: int) -> tuple[str | None, str]:
-        try:
-            return encode("result", value, limit), "succeeded"
-        except NotSerializable as error:
-            return None, f"succeeded, but the result was not stored: {error}"
-
-    def _outcome(
-        self,
-        execution: Execution,
-        to: State,
-        *,
-        reason: str,
-        result: str | None = None,
-        error: str | None = None,
-    ) -> bool:
-        """Write the outcome once, fenced; ``False`` when the lease was lost meanwhile."""
-        if execution.finished:
-            return False
-        execution.finished = True
-        rt = runtime(self.app)
-        assert rt.incarnation is not None
-        outcome = Outcome(execution.lease, to, reason, result, error)
-        if hand_over(self.app, self.request, rt.incarnation.flags.fenced, self.name, outcome):
-            return True  # written by the worker's outcome writer, with others
-        ok = rt.store.finish(
-            execution.lease,
-            to,
-            actor=rt.incarnation.actor,
-            reason=reason,
-            result=result,
-            error=error,
-        )
-        if not ok:
-            logger.warning(
-                "task %s[%s] attempt %d: outcome %s rejected, the lease was lost (another "
-                "attempt or a person owns the task now)",
-                self.name,
-                execution.task_id,
-                execution.attempt,
-                to,
-            )
-        return ok
-
-    def _give_up(self, execution: Execution, why: str) -> None:
-        rt = runtime(self.app)
-        assert rt.incarnation is not None
-        rt.store.give_up(execution.lease, actor=rt.incarnation.actor, reason=why)
-
-    def _retry_outcome(
-        self,
-        execution: Execution,
-        delay: float,
-        reason: str,
-        error: str | None,
-        *,
-        message: str | None = None,
-        requeued: bool = False,
-    ) -> bool:
-        if execution.finished:
-            return False
-        execution.finished = True
-        rt = runtime(self.app)
-        assert rt.incarnation is not None
-        return rt.store.schedule_retry(
-            execution.lease,
-            delay,
-            actor=rt.incarnation.actor,
-            reason=reason,
-            error=error,
-            message=message,
-            requeued=requeued,
-        )
+        return _attempt.deliver(self, self.lease_options(runtime(self.app).config), args, kwargs)
 
     def retry(
         self,
@@ -549,7 +237,7 @@ class LeasedTask(Task[Any, Any]):
         FAILED, or WAIT_MANUAL with ``on_exhausted="manual"``.
         """
         req = self.request
-        execution = _current.get()
+        execution = _attempt.current.get()
         if execution is None:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         limit = self.max_retries if max_retries is None else max_retries
@@ -561,9 +249,11 @@ class LeasedTask(Task[Any, Any]):
                 f"({described or 'retry() without an exception'})"
             )
             if self.on_exhausted == "manual":
-                self._outcome(execution, State.WAIT_MANUAL, reason=exhausted, error=described)
+                _attempt.outcome(
+                    self, execution, State.WAIT_MANUAL, reason=exhausted, error=described
+                )
                 raise Ignore()
-            self._outcome(execution, State.FAILED, reason=exhausted, error=described)
+            _attempt.outcome(self, execution, State.FAILED, reason=exhausted, error=described)
             if exc is not None:
                 raise exc
             raise self.MaxRetriesExceededError(
@@ -613,7 +303,8 @@ class LeasedTask(Task[Any, Any]):
         )
         limit = self.max_retries if options.get("max_retries") is None else options["max_retries"]
         retries = execution.claim.retries
-        ok = self._retry_outcome(
+        ok = _attempt.retry_outcome(
+            self,
             execution,
             delay,
             f"retry {retries + 1} {f'of {limit}' if limit is not None else '(no limit)'}, "
@@ -635,7 +326,7 @@ class LeasedTask(Task[Any, Any]):
     # -- inside the task: steps, progress, cancellation --------------------------------
 
     def _execution(self) -> Execution:
-        execution = _current.get()
+        execution = _attempt.current.get()
         if execution is None:
             raise ConfigurationError(
                 f"task {self.name}: steps, progress and cancellation need a worker execution "
@@ -665,7 +356,7 @@ class LeasedTask(Task[Any, Any]):
             TaskCancelled: an operator cancelled the task.
             NotSerializable: the result cannot be stored (the step is not marked done).
         """
-        if _current.get() is None:
+        if _attempt.current.get() is None:
             return fn(*args, **kwargs)
         return self._execution().step(name, fn, args, kwargs, idempotent=idempotent, check=check)
 
@@ -688,14 +379,3 @@ class LeasedTask(Task[Any, Any]):
     def check_cancelled(self) -> None:
         """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
         self._execution().boundary()
-
-
-def _count_duplicate(store: Store) -> None:
-    """Raise the ``duplicates_dropped`` counter; a failure to count never changes what
-    happens to the delivery."""
-    from .store import DUPLICATES_DROPPED
-
-    try:
-        store.add_counts({DUPLICATES_DROPPED: 1})
-    except StoreError as error:
-        logger.debug("duplicate delivery not counted: %s", error)

@@ -12,7 +12,16 @@ from ._reads import InvariantPage, TransitionCounts
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
 from ._steps import RecordedStep
 from ._store import Store
-from ._types import Claim, Expiry, FenceResult, Lease, NewTask, Publishable, Refusal
+from ._types import (
+    Claim,
+    Expiry,
+    FenceResult,
+    Lease,
+    LeaseOptions,
+    NewTask,
+    Publishable,
+    Refusal,
+)
 from .schema import SCHEMA_VERSION, Tables, build
 
 __all__ = [
@@ -30,6 +39,7 @@ __all__ = [
     "JoinedSubmission",
     "JoinedTransaction",
     "Lease",
+    "LeaseOptions",
     "Listener",
     "NewTask",
     "Outcome",

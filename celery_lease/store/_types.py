@@ -10,6 +10,19 @@ from ..states import State
 
 
 @dataclasses.dataclass(frozen=True)
+class LeaseOptions:
+    """A task's lease options with the app's defaults applied and checked (one value
+    per task class and configuration, reused by every submission and delivery)."""
+
+    lease_ttl: float
+    max_recoveries: int
+    max_runtime: float | None = None
+    max_retries: int | None = None
+    on_timeout: str = "retry"
+    on_exhausted: str = "fail"
+
+
+@dataclasses.dataclass(frozen=True)
 class NewTask:
     """A row to insert when a task is submitted (JSON columns already encoded)."""
 
@@ -29,6 +42,40 @@ class NewTask:
     on_exhausted: str = "fail"
     #: The message Celery built for the task (see ``celery_lease._message``).
     message: str | None = None
+
+    @classmethod
+    def of(
+        cls,
+        lease: LeaseOptions,
+        *,
+        id: str,
+        name: str,
+        args: str | None,
+        kwargs: str | None,
+        options: str | None,
+        dedup_key: str | None = None,
+        countdown: float | None = None,
+        eta: datetime | None = None,
+        message: str | None = None,
+    ) -> NewTask:
+        """The row of a task submitted with ``lease`` options."""
+        return cls(
+            id=id,
+            name=name,
+            args=args,
+            kwargs=kwargs,
+            options=options,
+            lease_ttl=lease.lease_ttl,
+            max_recoveries=lease.max_recoveries,
+            dedup_key=dedup_key,
+            countdown=countdown,
+            eta=eta,
+            max_runtime=lease.max_runtime,
+            max_retries=lease.max_retries,
+            on_timeout=lease.on_timeout,
+            on_exhausted=lease.on_exhausted,
+            message=message,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
