@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -23,6 +23,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    column,
     func,
     insert,
     literal,
@@ -31,6 +32,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.dml import ReturningUpdate
 
 from .. import states
@@ -341,6 +343,103 @@ class StoreBase:
                 ],
             )
         return rows
+
+    def _move_each(
+        self,
+        conn: Connection,
+        frm: State,
+        moves: Sequence[tuple[str, State, str]],
+        *,
+        actor: str,
+        stamps: Mapping[State, str],
+    ) -> list[Row[Any]]:
+        """Compare-and-set ``frm -> to`` for many rows at once, each ``(task id, to,
+        reason)`` with its own destination and reason, with their audit rows.
+
+        ``stamps`` names the timestamp column a destination sets to the database's time
+        (``next_retry_at`` for a retry due now, ``finished_at`` for a final state).
+        On PostgreSQL the whole batch is one statement (``UPDATE ... FROM unnest(...)``,
+        the audit rows inserted by a CTE over the updated rows); on SQLite one statement
+        per row in the caller's transaction (no round trip to pay).
+        """
+        if not moves:
+            return []
+        for task_id, to, _ in moves:
+            states.check(frm, to, task_id)
+        if not self.is_pg:
+            rows: list[Row[Any]] = []
+            for task_id, to, reason in moves:
+                values = {stamps[to]: db_now()} if to in stamps else {}
+                rows += self._move(
+                    conn,
+                    [self.t.tasks.c.id == task_id],
+                    frm,
+                    to,
+                    reason=reason,
+                    actor=actor,
+                    values=values,
+                    returning=(self.t.tasks.c.state,),
+                )
+            return rows
+        key = ("move_each", frm, tuple(sorted((s.value, c) for s, c in stamps.items())))
+        stmt = self._prepared(key, lambda: self._move_each_statement(frm, stamps))
+        params = {
+            "b_ids": [m[0] for m in moves],
+            "b_tos": [m[1].value for m in moves],
+            "b_reasons": [m[2] for m in moves],
+            "b_actor": actor,
+        }
+        rows = list(conn.execute(stmt, params).all())
+        for row in rows:
+            self._record_event(
+                TransitionEvent(
+                    row.id, row.name, frm, State(row.state), row.reason, actor, int(row.attempt)
+                )
+            )
+        return rows
+
+    def _move_each_statement(self, frm: State, stamps: Mapping[State, str]) -> Executable:
+        t = self.t.tasks
+        v = (
+            func.unnest(
+                bindparam("b_ids", type_=ARRAY(String)),
+                bindparam("b_tos", type_=ARRAY(String)),
+                bindparam("b_reasons", type_=ARRAY(Text)),
+            )
+            .table_valued(column("id", String), column("to_state", String), column("reason", Text))
+            .render_derived(name="v")
+        )
+        columns: dict[str, list[State]] = {}
+        for to, name in stamps.items():
+            columns.setdefault(name, []).append(to)
+        stamped = {
+            name: case((v.c.to_state.in_([s.value for s in tos]), db_now()), else_=t.c[name])
+            for name, tos in columns.items()
+        }
+        moved = (
+            update(t)
+            .where(t.c.id == v.c.id, state_is(t, frm))
+            .values(state=v.c.to_state, updated_at=db_now(), reason=v.c.reason, **stamped)
+            .returning(t.c.id, t.c.attempt, t.c.name, t.c.state, t.c.reason)
+            .cte("moved")
+        )
+        audit = (
+            insert(self.t.transitions)
+            .from_select(
+                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+                select(
+                    moved.c.id,
+                    literal(frm.value, String),
+                    moved.c.state,
+                    moved.c.reason,
+                    _ACTOR,
+                    moved.c.attempt,
+                    db_now(),
+                ),
+            )
+            .cte("audit")
+        )
+        return select(moved).add_cte(audit)
 
     def _fenced(self, lease: Lease) -> list[ColumnElement[bool]]:
         t = self.t.tasks

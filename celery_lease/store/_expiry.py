@@ -4,18 +4,17 @@ transaction."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    select,
-)
+from sqlalchemy import Connection, and_, false, or_, select, tuple_
 
 from .. import policy
 from ..states import STEP_STARTED, State
 from ._base import StoreBase
 from ._sql import after, db_now, seconds_between
 from ._types import Expiry, Lease
+
+#: The timestamp a destination of an expiry sets to the database's time.
+_STAMPS = {State.RETRY_WAIT: "next_retry_at", State.CANCELLED: "finished_at"}
 
 
 class ExpiryMixin(StoreBase):
@@ -34,6 +33,11 @@ class ExpiryMixin(StoreBase):
         Selects RUNNING rows (optionally only those of ``task_ids``/``owners``; with
         ``only_expired``, only those whose owner's heartbeat is older than their TTL),
         at most ``limit`` (a batch), skipping rows another reaper holds.
+
+        A batch is decided together, in one transaction: one read of the candidates,
+        one fenced ``RUNNING -> TIMEOUT`` of them all, one read of their steps in flight,
+        the policy's decision for each row, and one write of the decisions (on
+        PostgreSQL each of these is one statement, whatever the batch's size).
         """
         t, w = self.t.tasks, self.t.workers
         batch = limit or self.config.reaper_batch_size
@@ -53,22 +57,33 @@ class ExpiryMixin(StoreBase):
                 q = q.where(self._expired_condition())
             if self.is_pg:
                 q = q.with_for_update(of=t, skip_locked=True)
-            out = []
-            for cand in conn.execute(q).all():
-                done = self._expire_one(conn, cand.id, cand.token, actor=actor, reason=reason)
-                if done is not None:
-                    out.append(done)
-            return out
+            candidates = [(str(c.id), c.token) for c in conn.execute(q).all()]
+            return self._expire_batch(conn, candidates, actor=actor, reason=reason)
 
         return self._tx(op)
 
-    def _expire_one(
-        self, conn: Connection, task_id: str, token: str | None, *, actor: str, reason: str
-    ) -> Expiry | None:
+    def _expire_batch(
+        self,
+        conn: Connection,
+        candidates: Sequence[tuple[str, str | None]],
+        *,
+        actor: str,
+        reason: str,
+    ) -> list[Expiry]:
+        """Expire the leases ``(task id, token)`` (each fenced by its token) and apply
+        the policy to each, in the caller's transaction."""
+        if not candidates:
+            return []
         t, s = self.t.tasks, self.t.steps
-        rows = self._move(
+        held = [c for c in candidates if c[1] is not None]
+        tokenless = [task_id for task_id, token in candidates if token is None]
+        fence = or_(
+            tuple_(t.c.id, t.c.token).in_(held) if held else false(),
+            and_(t.c.id.in_(tokenless), t.c.token.is_(None)) if tokenless else false(),
+        )
+        timed_out = self._move(
             conn,
-            [t.c.id == task_id, t.c.token == token if token is not None else t.c.token.is_(None)],
+            [fence],
             State.RUNNING,
             State.TIMEOUT,
             reason=reason,
@@ -82,56 +97,53 @@ class ExpiryMixin(StoreBase):
                 seconds_between(db_now(), t.c.created_at).label("age"),
             ),
         )
-        if not rows:
-            return None
-        row = rows[0]
-        inflight = conn.execute(
-            select(s.c.name)
+        if not timed_out:
+            return []
+        # only this attempt's calls can be in flight: a step left STARTED by an earlier
+        # attempt ended when its call raised and the task chose to retry
+        inflight: dict[str, str] = {}
+        for step in conn.execute(
+            select(s.c.task_id, s.c.name)
             .where(
-                s.c.task_id == task_id,
+                tuple_(s.c.task_id, s.c.attempt).in_([(r.id, r.attempt) for r in timed_out]),
                 s.c.state == STEP_STARTED,
-                # only this attempt's calls can be in flight: a step left STARTED by an
-                # earlier attempt ended when its call raised and the task chose to retry
-                s.c.attempt == row.attempt,
                 s.c.idempotent.is_(False),
                 s.c.checkable.is_(False),
             )
-            .limit(1)
-        ).scalar()
-        to, why = policy.after_timeout(
-            on_timeout=row.on_timeout,
-            recoveries=int(row.recoveries),
-            max_recoveries=int(row.max_recoveries),
-            age=float(row.age),
-            max_age=self.config.max_age,
-            inflight_step=inflight,
-            cancel_requested=row.cancel_requested_at is not None,
-        )
-        values: dict[str, Any] = {}
-        if to is State.RETRY_WAIT:
-            values["next_retry_at"] = db_now()
-        elif to is State.CANCELLED:
-            values["finished_at"] = db_now()
-        self._move(
+            .order_by(s.c.task_id, s.c.name)
+        ).all():
+            inflight.setdefault(str(step.task_id), str(step.name))
+        decided: list[Expiry] = []
+        for row in timed_out:
+            to, why = policy.after_timeout(
+                on_timeout=row.on_timeout,
+                recoveries=int(row.recoveries),
+                max_recoveries=int(row.max_recoveries),
+                age=float(row.age),
+                max_age=self.config.max_age,
+                inflight_step=inflight.get(str(row.id)),
+                cancel_requested=row.cancel_requested_at is not None,
+            )
+            decided.append(Expiry(str(row.id), to, why))
+        self._move_each(
             conn,
-            [t.c.id == task_id],
             State.TIMEOUT,
-            to,
-            reason=f"{why} (after: {reason})",
+            [(e.task_id, e.to_state, f"{e.reason} (after: {reason})") for e in decided],
             actor=actor,
-            values=values,
+            stamps=_STAMPS,
         )
-        return Expiry(task_id, to, why)
+        return decided
 
     def give_up(self, lease: Lease, *, actor: str, reason: str) -> Expiry | None:
         """An execution gives up its own lease (it stopped without an outcome): expire it
         at once, fenced by its token, then apply the policy. ``None``: it was no longer
         this execution's lease (nothing changed)."""
-        return self._tx(
-            lambda conn, _: self._expire_one(
-                conn, lease.task_id, lease.token, actor=actor, reason=reason
+        expiries = self._tx(
+            lambda conn, _: self._expire_batch(
+                conn, [(lease.task_id, lease.token)], actor=actor, reason=reason
             )
         )
+        return expiries[0] if expiries else None
 
     def overrun(self, *, actor: str, limit: int | None = None) -> list[str]:
         """RUNNING rows with a live lease but no progress for ``max_runtime`` -> WAIT_MANUAL.
@@ -154,21 +166,17 @@ class ExpiryMixin(StoreBase):
             )
             if self.is_pg:
                 q = q.with_for_update(of=t, skip_locked=True)
-            moved = []
-            for cand in conn.execute(q).all():
-                why = (
-                    f"alive but no progress for more than max_runtime ({cand.max_runtime:g} s): "
-                    "left running; a person decides"
-                )
-                if self._move(
-                    conn,
-                    [t.c.id == cand.id],
-                    State.RUNNING,
+            moves = [
+                (
+                    str(cand.id),
                     State.WAIT_MANUAL,
-                    reason=why,
-                    actor=actor,
-                ):
-                    moved.append(str(cand.id))
-            return moved
+                    f"alive but no progress for more than max_runtime ({cand.max_runtime:g} s): "
+                    "left running; a person decides",
+                )
+                for cand in conn.execute(q).all()
+            ]
+            rows = self._move_each(conn, State.RUNNING, moves, actor=actor, stamps={})
+            moved = {str(r.id) for r in rows}
+            return [task_id for task_id, _, _ in moves if task_id in moved]
 
         return self._tx(op)
