@@ -89,6 +89,8 @@ def build(store: Any, total: int, running: int, retry: int, pending: int) -> flo
     """
     started = time.perf_counter()
     with store.engine.begin() as conn:
+        # building the table is not a store call: lease_db_timeout does not bound it
+        conn.execute(text("SET LOCAL statement_timeout = 0"))
         conn.execute(text(sql))
         conn.execute(text(audit))
         conn.execute(
@@ -99,6 +101,7 @@ def build(store: Any, total: int, running: int, retry: int, pending: int) -> flo
             )
         )
     with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("SET statement_timeout = 0"))
         conn.execute(text(f"VACUUM ANALYZE {tasks}"))
         conn.execute(text(f"VACUUM ANALYZE {trans}"))
     return time.perf_counter() - started
@@ -239,6 +242,9 @@ def run(ctx: Context) -> Section:
             ctx.log(f"reaper: building {total:,} rows")
             build_s = build(store, total, running, retry, pending)
             ctx.log(f"reaper: built in {build_s:.1f} s")
+            # the live worker's heartbeat was written when the build began: a build
+            # slower than the TTL would leave its rows expired too
+            store.renew(LIVE)
             keeper = threading.Thread(target=_keep_alive, args=(store, stop), daemon=True)
             keeper.start()
             reaper = Reaper(app, actor="reaper:bench", store=store)
