@@ -1,10 +1,12 @@
 """Storage: the lease tables and the operations on them (SQLAlchemy Core)."""
 
 from ._base import Listener, TransitionEvent, dumps
+from ._deadline import bounded_connection
 from ._outcomes import Outcome
 from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
 from ._reads import InvariantPage, TransitionCounts
+from ._redact import redact
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
 from ._steps import RecordedStep
 from ._store import Store
@@ -34,6 +36,8 @@ __all__ = [
     "Tables",
     "TransitionCounts",
     "TransitionEvent",
+    "bounded_connection",
     "build",
     "dumps",
+    "redact",
 ]
