@@ -1,10 +1,14 @@
 """Storage: the lease tables and the operations on them (SQLAlchemy Core)."""
 
 from ._base import Listener, TransitionEvent, dumps
+from ._bulk import Filter
 from ._deadline import bounded_connection
+from ._executor import Executor, Rows
+from ._joined import JoinedTransaction, join_transaction, outbox_transaction
 from ._outcomes import Outcome
 from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
+from ._producer import JoinedSubmission
 from ._reads import InvariantPage, TransitionCounts
 from ._redact import redact
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
@@ -20,9 +24,13 @@ __all__ = [
     "REPUBLISHED",
     "SCHEMA_VERSION",
     "Claim",
+    "Executor",
     "Expiry",
     "FenceResult",
+    "Filter",
     "InvariantPage",
+    "JoinedSubmission",
+    "JoinedTransaction",
     "Lease",
     "Listener",
     "NewTask",
@@ -32,6 +40,7 @@ __all__ = [
     "Publishable",
     "RecordedStep",
     "Refusal",
+    "Rows",
     "Store",
     "Tables",
     "TransitionCounts",
@@ -39,5 +48,7 @@ __all__ = [
     "bounded_connection",
     "build",
     "dumps",
+    "join_transaction",
+    "outbox_transaction",
     "redact",
 ]
