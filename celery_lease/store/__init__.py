@@ -4,10 +4,11 @@ from ._base import Listener, TransitionEvent, dumps
 from ._outcomes import Outcome
 from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
-from ._reads import InvariantPage, TransitionCounts
+from ._reads import InvariantPage
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
 from ._steps import RecordedStep
 from ._store import Store
+from ._totals import Fold, Totals
 from ._types import Claim, Expiry, FenceResult, Lease, NewTask, Publishable, Refusal
 from .schema import SCHEMA_VERSION, Tables, build
 
@@ -20,6 +21,7 @@ __all__ = [
     "Claim",
     "Expiry",
     "FenceResult",
+    "Fold",
     "InvariantPage",
     "Lease",
     "Listener",
@@ -32,7 +34,7 @@ __all__ = [
     "Refusal",
     "Store",
     "Tables",
-    "TransitionCounts",
+    "Totals",
     "TransitionEvent",
     "build",
     "dumps",

@@ -53,11 +53,23 @@ def _task_message(conn: Connection, tables: Tables) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(tasks)} ADD COLUMN message TEXT")
 
 
+def _transition_totals(conn: Connection, tables: Tables) -> None:
+    tables.transition_totals.create(conn, checkfirst=True)
+    wm = tables.transition_watermark
+    wm.create(conn, checkfirst=True)
+    # the reaper folds the audit table's past from id 0, in bounded batches
+    if conn.execute(select(wm.c.id).where(wm.c.id == 1)).first() is None:
+        conn.execute(insert(wm).values(id=1, upto=0))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
     Migration(3, "durable pauses per queue and task name, with their audit log", _pauses),
     Migration(4, "tasks.message: the message Celery built for the task", _task_message),
+    Migration(
+        5, "transition totals folded from the audit table, and their watermark", _transition_totals
+    ),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

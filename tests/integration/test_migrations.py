@@ -110,6 +110,8 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
             "counters",
             "pauses",
             "pause_log",
+            "transition_totals",
+            "transition_watermark",
         )
     }
     assert migrated == expected
@@ -130,6 +132,8 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         t.counters.drop(conn)
         t.pauses.drop(conn)
         t.pause_log.drop(conn)
+        t.transition_totals.drop(conn)
+        t.transition_watermark.drop(conn)
         conn.exec_driver_sql(
             f"ALTER TABLE {store.engine.dialect.identifier_preparer.format_table(t.tasks)} "
             "DROP COLUMN message"
@@ -153,7 +157,9 @@ def test_a_version_3_database_gains_the_message_column_and_keeps_its_rows(make_s
     table = store.engine.dialect.identifier_preparer.format_table(t)
     with store.engine.begin() as conn:  # the database as schema version 3 left it
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN message")
-        conn.execute(version.delete().where(version.c.version == 4))
+        store.t.transition_totals.drop(conn)
+        store.t.transition_watermark.drop(conn)
+        conn.execute(version.delete().where(version.c.version >= 4))
     assert store.schema_version() == 3
 
     assert store.migrate() == (3, SCHEMA_VERSION)
