@@ -46,7 +46,6 @@ from sqlalchemy import (
     Connection,
     String,
     bindparam,
-    case,
     delete,
     func,
     literal,
@@ -220,9 +219,12 @@ class TotalsMixin(StoreBase):
                 return Fold(0, base, False)
             hi = int(lo) + batch - 1
             settled = tr.c.at < after(db_now(), -horizon)
+            in_range = (tr.c.id >= lo, tr.c.id <= hi)
+            # each a walk down the primary key from ``hi``: one row when it is settled
             last, last_settled = conn.execute(
-                select(func.max(tr.c.id), func.max(case((settled, tr.c.id)))).where(
-                    tr.c.id >= lo, tr.c.id <= hi
+                select(
+                    select(func.max(tr.c.id)).where(*in_range).scalar_subquery(),
+                    select(func.max(tr.c.id)).where(*in_range, settled).scalar_subquery(),
                 )
             ).one()
             if last_settled is None:
