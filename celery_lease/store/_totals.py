@@ -44,6 +44,7 @@ from sqlalchemy import (
     CTE,
     ColumnElement,
     Connection,
+    Float,
     String,
     bindparam,
     delete,
@@ -194,6 +195,16 @@ class TotalsMixin(StoreBase):
 
     # -- the fold -----------------------------------------------------------------------
 
+    def _fold_ready_statement(self) -> Any:
+        """The watermark, and whether the lowest audit row above it is older than
+        ``b_settle`` seconds (``None``: no row above it)."""
+        tr, wm = self.t.transitions, self.t.transition_watermark
+        settled = tr.c.at < after(db_now(), -bindparam("b_settle", type_=Float))
+        lowest = (
+            select(settled).where(tr.c.id > wm.c.upto).order_by(tr.c.id).limit(1)
+        ).scalar_subquery()
+        return select(wm.c.upto, lowest).where(wm.c.id == 1)
+
     def fold_transitions(self, *, settle: float | None = None, limit: int | None = None) -> Fold:
         """Fold one range of settled audit rows into the totals: at most ``limit``
         (default ``lease_totals_batch_size``) ids above the watermark, up to the last
@@ -203,6 +214,17 @@ class TotalsMixin(StoreBase):
         batch = limit or self.config.totals_batch_size
         tr, wm = self.t.transitions, self.t.transition_watermark
         self._ensure_watermark()
+        # most sweeps have nothing settled to fold: find that out in one round trip
+        # (the lowest audit row above the watermark is missing or still fresh), without
+        # a transaction or a lock
+        ready_q = self._prepared("fold-ready", self._fold_ready_statement)
+        params = {"b_settle": horizon}
+        if self.is_pg:  # autocommit: one round trip
+            upto, ready = self._tx(lambda conn, _: conn.execute(ready_q, params).one(), single=True)
+        else:  # a read transaction: no write lock
+            upto, ready = self._read(lambda conn: conn.execute(ready_q, params).one())
+        if not ready:
+            return Fold(0, int(upto), False)
 
         def op(conn: Connection, _: bool) -> Fold:
             held = conn.execute(self._watermark(lock="update")).scalar()
