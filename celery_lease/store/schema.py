@@ -149,6 +149,9 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("attempt", Integer, nullable=False),
         Column("at", DbTime(), nullable=False),
         Index(f"{prefix}transitions_task", "task_id", "id"),
+        # SQLite: ids never reused, even after the highest row is deleted (the
+        # transition totals' watermark relies on every new row getting a higher id)
+        sqlite_autoincrement=True,
     )
     steps = Table(
         f"{prefix}steps",

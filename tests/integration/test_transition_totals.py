@@ -131,6 +131,23 @@ def test_a_discarded_submission_is_still_counted_once(store: Store) -> None:
     assert store.transition_totals().counts == {(None, "PENDING"): 1}
 
 
+def test_an_audit_row_written_after_every_row_was_purged_is_counted(store: Store) -> None:
+    # SQLite would give the next row the highest id left plus one, below the
+    # watermark, were the audit ids not AUTOINCREMENT
+    done = [finished(store) for _ in range(2)]
+    fold_all(store)
+    before = folded(store)
+    aged(store, done, 0.2)
+    assert store.purge_expired(0.1) == 2
+    assert audit_counts(store) == {}
+
+    submit(store)
+    created = before[(None, "PENDING")] + 1
+    assert store.transition_totals().counts[(None, "PENDING")] == created
+    fold_all(store)
+    assert folded(store)[(None, "PENDING")] == created
+
+
 def test_concurrent_folds_and_purges_count_every_row_once(store: Store) -> None:
     done = [finished(store) for _ in range(30)]
     submit(store)  # a live row: its audit row stays
