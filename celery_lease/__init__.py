@@ -5,7 +5,6 @@ optional dedup key, per-step checkpoints and a heartbeat lease; a reaper moves
 tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
-from ._outbox import outbox_transaction
 from ._runtime import install
 from ._submission import Submitted, bulk
 
@@ -35,6 +34,7 @@ from .exceptions import (
 from .reaper import ReapReport, reap
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import TRANSITIONS, State
+from .store import outbox_transaction
 from .task import LeasedTask
 
 __version__ = "0.1.0"

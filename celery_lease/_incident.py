@@ -12,6 +12,7 @@ from ._runtime import default_actor
 from .exceptions import IllegalTransition, TaskNotFound
 from .pause import KINDS, Pause, PauseEvent
 from .states import State
+from .store import Filter
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -193,7 +194,6 @@ class BulkOps:
         tasks taken."""
         from . import _publisher
         from .states import action_sources
-        from .store._bulk import Filter
 
         if action not in BULK_TARGETS:
             raise ValueError(f"unknown action {action!r}: one of {', '.join(BULK_TARGETS)}")

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
-
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from urllib.parse import parse_qsl, quote, quote_plus, unquote
 
 from .exceptions import ConfigurationError
 
@@ -19,6 +18,10 @@ from .exceptions import ConfigurationError
 #: process was started in (as Celery's own ``celerybeat-schedule``), resolved to an
 #: absolute path once, when the settings are read (see :func:`resolve_database_url`).
 DEFAULT_DATABASE_URL = "sqlite:///celery-lease.sqlite3"
+
+
+#: The ``dialect+driver`` part of a database URL.
+_SCHEME = re.compile(r"[\w+]+")
 
 
 def resolve_database_url(url: str) -> str:
@@ -31,17 +34,23 @@ def resolve_database_url(url: str) -> str:
     """
     if not url.startswith("sqlite"):
         return url
-    try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError):
+    # dialect+driver://[authority]/database[?query]: only the database part changes
+    scheme, sep, rest = url.partition("://")
+    authority, slash, tail = rest.partition("/")
+    if not sep or not slash or "?" in authority or not _SCHEME.fullmatch(scheme):
         return url
-    database = parsed.database
+    raw, _, query = tail.partition("?")
+    database = unquote(raw)
     if not database or database == ":memory:" or database.startswith("file:"):
         return url
     path = os.path.expanduser(database)
     if os.path.isabs(path) and path == database:
         return url
-    return parsed.set(database=os.path.abspath(path)).render_as_string(hide_password=False)
+    absolute = quote(os.path.abspath(path), safe=" +/")
+    # the query as the store's URL parser renders it back: keys sorted, blanks dropped
+    pairs = sorted(parse_qsl(query), key=lambda pair: pair[0])
+    query = "&".join(f"{quote_plus(key)}={quote_plus(value)}" for key, value in pairs)
+    return f"{scheme}://{authority}/{absolute}{'?' if query else ''}{query}"
 
 
 #: Default ``lease_retention``: finished rows are kept a week.

@@ -1,9 +1,13 @@
 """Storage: the lease tables and the operations on them (SQLAlchemy Core)."""
 
 from ._base import Listener, TransitionEvent, dumps
+from ._bulk import Filter
+from ._executor import Executor, Rows
+from ._joined import JoinedTransaction, join_transaction, outbox_transaction
 from ._outcomes import Outcome
 from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
+from ._producer import JoinedSubmission
 from ._reads import InvariantPage
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
 from ._steps import RecordedStep
@@ -19,10 +23,14 @@ __all__ = [
     "REPUBLISHED",
     "SCHEMA_VERSION",
     "Claim",
+    "Executor",
     "Expiry",
     "FenceResult",
+    "Filter",
     "Fold",
     "InvariantPage",
+    "JoinedSubmission",
+    "JoinedTransaction",
     "Lease",
     "Listener",
     "NewTask",
@@ -32,10 +40,13 @@ __all__ = [
     "Publishable",
     "RecordedStep",
     "Refusal",
+    "Rows",
     "Store",
     "Tables",
     "Totals",
     "TransitionEvent",
     "build",
     "dumps",
+    "join_transaction",
+    "outbox_transaction",
 ]

@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 
 from sqlalchemy import (
     CTE,
-    BindParameter,
     ColumnElement,
     Connection,
     Executable,
@@ -38,6 +37,7 @@ from .. import states
 from ..config import LeaseConfig
 from ..states import State
 from . import _engine
+from ._executor import Executor
 from ._redact import safe_url
 from ._sql import after, db_now, greatest
 from ._types import Lease
@@ -78,14 +78,6 @@ def state_is(tasks: Table, state: State) -> ColumnElement[bool]:
     RUNNING row of a backlog, on each claim, outcome and mark."""
     column: ColumnElement[str] = tasks.c.state
     return column.concat("") == state.value
-
-
-def bind(name: str, type_: Any, values: dict[str, Any] | None = None) -> BindParameter[Any]:
-    """Bind parameter ``name``, holding its value when ``values`` is given (a statement
-    built for one call) and filled at execution otherwise (a statement built once)."""
-    if values is None:
-        return bindparam(name, type_=type_)
-    return bindparam(name, values[name], type_=type_)
 
 
 def dumps(value: Any) -> str:
@@ -139,7 +131,7 @@ class StoreBase:
             finally:
                 self._local.events = None
             if events:
-                self._dispatch(events)
+                self.announce(events)
             return result
 
         return _engine.retrying(
@@ -166,7 +158,12 @@ class StoreBase:
             return result
         return self._tx(lambda conn, is_retry: slow(conn, is_retry or retried))
 
-    def _dispatch(self, events: Sequence[TransitionEvent]) -> None:
+    def announce(self, events: Sequence[TransitionEvent]) -> None:
+        """Hand committed transitions to the listeners (a listener's error is logged).
+
+        The store's own transactions do it after their commit; a caller whose
+        transaction a submission joined (:meth:`submit_joined`) does it after its own.
+        """
         for listener in list(self.listeners):
             try:
                 listener(events)
@@ -205,21 +202,6 @@ class StoreBase:
         if stmt is None:
             stmt = self._statements[key] = build()
         return stmt
-
-    @staticmethod
-    def _execute(
-        conn: Connection,
-        prepared: Any,
-        params: dict[str, Any],
-        build: Callable[[dict[str, Any]], Any],
-    ) -> Any:
-        """Run a statement built once (``prepared``) with ``params``. A caller's
-        stand-in for a connection that only takes a statement (the Django outbox) gets
-        a statement built for this call, with the values in its bind parameters
-        (``build(params)``)."""
-        if isinstance(conn, Connection):
-            return conn.execute(prepared, params)
-        return conn.execute(build(params))
 
     def _move_statement(
         self,
@@ -366,7 +348,7 @@ class StoreBase:
 
     def _audit(
         self,
-        conn: Connection,
+        conn: Executor,
         task_id: str,
         frm: State | None,
         to: State,
@@ -384,16 +366,16 @@ class StoreBase:
             "b_actor": actor,
             "b_attempt": attempt,
         }
-        self._execute(conn, self._prepared("audit", self._audit_insert), params, self._audit_insert)
+        conn.execute(self._prepared("audit", self._audit_insert), params)
 
-    def _audit_insert(self, values: dict[str, Any] | None = None) -> Insert:
+    def _audit_insert(self) -> Insert:
         return insert(self.t.transitions).values(
-            task_id=bind("b_task_id", String, values),
-            from_state=bind("b_from", String, values),
-            to_state=bind("b_to", String, values),
-            reason=bind("b_reason", Text, values),
-            actor=bind("b_actor", String, values),
-            attempt=bind("b_attempt", Integer, values),
+            task_id=bindparam("b_task_id", type_=String),
+            from_state=bindparam("b_from", type_=String),
+            to_state=bindparam("b_to", type_=String),
+            reason=_REASON,
+            actor=_ACTOR,
+            attempt=bindparam("b_attempt", type_=Integer),
             at=db_now(),
         )
 

@@ -3,6 +3,7 @@ was published."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from sqlalchemy import (
     any_,
     bindparam,
     delete,
+    exc,
     insert,
     literal,
     null,
@@ -27,7 +29,9 @@ from sqlalchemy.dialects import postgresql
 
 from ..config import LeaseConfig
 from ..states import State
-from ._base import TransitionEvent, bind, state_is
+from . import _engine
+from ._base import TransitionEvent, state_is
+from ._executor import Executor
 from ._marks import PublishedMarks
 from ._sql import after, db_now
 from ._totals import TotalsMixin
@@ -51,6 +55,17 @@ _SUBMIT = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class JoinedSubmission:
+    """A row written in a caller's open transaction (see ``Store.submit_joined``)."""
+
+    task_id: str
+    #: ``False``: a row with that id or dedup key existed; nothing was written.
+    created: bool
+    #: To hand to ``Store.announce`` once the caller's transaction committed.
+    events: tuple[TransitionEvent, ...]
+
+
 def _submit_params(new: NewTask) -> dict[str, Any]:
     params = {f"b_{c}": getattr(new, c) for c in _SUBMIT}
     params["b_countdown"] = new.countdown
@@ -63,32 +78,28 @@ class ProducerMixin(TotalsMixin):
         super().__init__(config)
         self._marks = PublishedMarks(self.mark_published)
 
-    def submit(self, new: NewTask, conn: Connection | None = None) -> tuple[str, bool]:
+    def submit(self, new: NewTask, conn: Executor | None = None) -> tuple[str, bool]:
         """Insert a PENDING row; returns (task id, created). A duplicate dedup key or id
         returns the existing row's id with ``created=False``.
 
-        With ``conn`` the row joins the caller's transaction (transactional enqueue).
-        Without, the same transaction also records the rows waiting in
-        :meth:`mark_published_soon`.
+        With ``conn`` the row joins the caller's transaction (transactional enqueue; see
+        :meth:`submit_joined`). Without, the same transaction also records the rows
+        waiting in :meth:`mark_published_soon`.
         """
         params = _submit_params(new)
         countdown = new.countdown is not None
 
-        def op(conn: Connection, is_retry: bool, marks: Sequence[str] = ()) -> tuple[str, bool]:
+        def op(conn: Executor, is_retry: bool, marks: Sequence[str] = ()) -> tuple[str, bool]:
             insert_stmt = self._prepared(
                 ("submit", countdown), lambda: self._submit_insert(countdown)
             )
-            created = self._execute(
-                conn, insert_stmt, params, lambda v: self._submit_insert(countdown, v)
-            ).scalar()
+            created = conn.execute(insert_stmt, params).scalar()
             if marks:
                 self._mark(conn, marks)
             if created is not None:
                 self._audit(conn, new.id, None, State.PENDING, "submitted", "producer", 0)
                 return new.id, True
-            existing = self._execute(
-                conn, self._prepared("existing", self._existing), params, self._existing
-            ).scalar()
+            existing = conn.execute(self._prepared("existing", self._existing), params).scalar()
             if existing is None:  # the conflicting row was purged meanwhile: insert again
                 return op(conn, is_retry)
             return str(existing), False
@@ -121,30 +132,54 @@ class ProducerMixin(TotalsMixin):
             self._marks.put_back(marks)
             raise
 
-    def _submit_insert(self, countdown: bool, params: dict[str, Any] | None = None) -> Any:
+    def submit_joined(self, new: NewTask, conn: Executor) -> JoinedSubmission:
+        """:meth:`submit` in the caller's open transaction on ``conn`` (a SQLAlchemy
+        ``Connection``, or the Django adapter's executor): the row commits or rolls back
+        with the caller's data.
+
+        Its transitions are returned instead of told: the caller hands them to
+        :meth:`announce` once its transaction committed (the listeners must not hear of
+        a row that may still roll back).
+
+        Raises:
+            StoreError: a driver error on a SQLAlchemy connection.
+        """
+        events: list[TransitionEvent] = []
+        local = self._local
+        saved = getattr(local, "events", None)
+        local.events = events
+        try:
+            tid, created = self.submit(new, conn=conn)
+        except exc.SQLAlchemyError as error:
+            raise _engine.wrap(error, self.url) from error
+        finally:
+            local.events = saved
+        return JoinedSubmission(tid, created, tuple(events))
+
+    def _submit_insert(self, countdown: bool) -> Any:
         t = self.t.tasks
-        values: dict[str, Any] = {c: bind(f"b_{c}", t.c[c].type, params) for c in _SUBMIT}
+        values: dict[str, Any] = {c: bindparam(f"b_{c}", type_=t.c[c].type) for c in _SUBMIT}
         values.update(
             state=State.PENDING.value,
             created_at=db_now(),
             updated_at=db_now(),
             reason="submitted",
             eta=(
-                after(db_now(), bind("b_countdown", Float, params))
+                after(db_now(), bindparam("b_countdown", type_=Float))
                 if countdown
-                else bind("b_eta", t.c.eta.type, params)
+                else bindparam("b_eta", type_=t.c.eta.type)
             ),
         )
         return self._insert(t).values(**values).on_conflict_do_nothing().returning(t.c.id)
 
-    def _existing(self, params: dict[str, Any] | None = None) -> Any:
+    def _existing(self) -> Any:
         t = self.t.tasks
         return (
             select(t.c.id)
             .where(
                 or_(
-                    t.c.id == bind("b_id", t.c.id.type, params),
-                    t.c.dedup_key == bind("b_dedup_key", t.c.dedup_key.type, params),
+                    t.c.id == bindparam("b_id", type_=t.c.id.type),
+                    t.c.dedup_key == bindparam("b_dedup_key", type_=t.c.dedup_key.type),
                 )
             )
             .limit(1)
@@ -183,7 +218,7 @@ class ProducerMixin(TotalsMixin):
             .values(published_at=db_now(), publish_count=t.c.publish_count + 1)
         )
 
-    def _mark(self, conn: Connection, ids: Sequence[str]) -> None:
+    def _mark(self, conn: Executor, ids: Sequence[str]) -> None:
         t = self.t.tasks
         stmt = self._prepared(
             "mark",

@@ -1,6 +1,9 @@
-"""The schema's version, migrating it, and letting go of the engine."""
+"""The schema's version, migrating it, dropping a schema of its own, and letting go of
+the engine."""
 
 from __future__ import annotations
+
+from sqlalchemy.schema import DropSchema
 
 from ..exceptions import SchemaOutOfDate
 from . import migrations
@@ -30,6 +33,14 @@ class SetupMixin(StoreBase):
                 raise SchemaOutOfDate(current, SCHEMA_VERSION, self.url)
             self.migrate()
         self._schema_checked = True
+
+    def drop_schema(self) -> None:
+        """Drop the store's PostgreSQL schema (``lease_schema``) with everything in it,
+        if it exists: the end of a store made for one test run. Nothing happens for a
+        store without a schema of its own."""
+        schema = self.config.schema
+        if schema is not None:
+            self._tx(lambda conn, _: conn.execute(DropSchema(schema, cascade=True, if_exists=True)))
 
     def dispose(self) -> None:
         """Close every pooled connection."""

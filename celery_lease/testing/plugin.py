@@ -182,17 +182,6 @@ def lease_conf(
     return conf
 
 
-def _drop_schema(url: str, schema: str) -> None:
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture
 def lease_store(lease_app: Any, lease_conf: dict[str, Any]) -> Iterator[Store]:
     """A migrated store of this test's own, which ``lease_app`` uses in the test process
@@ -220,7 +209,8 @@ def lease_store(lease_app: Any, lease_conf: dict[str, Any]) -> Iterator[Store]:
             else:
                 conf.changes.pop(key, None)
         if config.schema is not None:
-            _drop_schema(config.database_url, config.schema)
+            store.drop_schema()
+            store.dispose()
 
 
 # -- effects, crash points, workers --------------------------------------------------------

@@ -22,20 +22,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from celery.result import AsyncResult
 from celery.utils import uuid
-from sqlalchemy.engine import Dialect
-from sqlalchemy.sql import ClauseElement
-from sqlalchemy.sql.compiler import SQLCompiler
 
 from ... import _submission
-from ..._outbox import submit_capturing
 from ..._runtime import runtime
 from ...exceptions import ConfigurationError
 from ...store import Store
 from ...task import LeasedTask
+from ._executor import DjangoExecutor
 
 #: The setting naming the ``DATABASES`` alias of the lease tables (default "default").
 ALIAS_SETTING = "CELERY_LEASE_DATABASE_ALIAS"
@@ -109,17 +106,17 @@ def apply_async_on_commit(
     connection = connections[alias]
     check_same_database(rt.store, connection.settings_dict, alias)
     connection.ensure_connection()
-    adapter = _DjangoConnection(rt.store.engine.dialect, connection.connection)
-    tid, created, events = submit_capturing(rt.store, new, adapter)
-    if not created:
-        return task.AsyncResult(tid)
+    executor = DjangoExecutor(rt.store.engine.dialect, connection.connection)
+    submitted = rt.store.submit_joined(new, executor)
+    if not submitted.created:
+        return task.AsyncResult(submitted.task_id)
 
     def publish() -> None:
-        rt.store._dispatch(events)
+        rt.store.announce(submitted.events)
         _submission.publish(task, rt, outgoing, publish_only["producer"])
 
     transaction.on_commit(publish, using=alias)
-    return task.AsyncResult(tid)
+    return task.AsyncResult(submitted.task_id)
 
 
 def check_same_database(store: Store, conf: dict[str, Any], alias: str) -> None:
@@ -143,57 +140,3 @@ def check_same_database(store: Store, conf: dict[str, Any], alias: str) -> None:
 
 def _path(name: str) -> Path:
     return Path(name).expanduser().resolve()
-
-
-class _Result:
-    """The few ``Result`` methods the store's submit uses."""
-
-    def __init__(self, rows: list[tuple[Any, ...]], rowcount: int) -> None:
-        self._rows = rows
-        self.rowcount = rowcount
-
-    def scalar(self) -> Any:
-        return self._rows[0][0] if self._rows else None
-
-    def first(self) -> tuple[Any, ...] | None:
-        return self._rows[0] if self._rows else None
-
-    def all(self) -> list[tuple[Any, ...]]:
-        return list(self._rows)
-
-
-class _DjangoConnection:
-    """Just enough of a SQLAlchemy ``Connection`` for :meth:`Store.submit`, on Django's
-    DBAPI connection: each statement is compiled by the store's dialect and run on the
-    raw cursor, so it joins whatever transaction Django has open (and never commits or
-    rolls back itself)."""
-
-    def __init__(self, dialect: Dialect, dbapi_connection: Any) -> None:
-        self.dialect = dialect
-        self._dbapi = dbapi_connection
-
-    def execute(self, statement: ClauseElement) -> _Result:
-        compiled = cast(
-            SQLCompiler,
-            statement.compile(dialect=self.dialect, compile_kwargs={"render_postcompile": True}),
-        )
-        params = dict(compiled.construct_params() or {})
-        for key, value in list(params.items()):
-            bind = compiled.binds.get(key)
-            if bind is None:
-                continue
-            process = bind.type.dialect_impl(self.dialect).bind_processor(self.dialect)
-            if process is not None:
-                params[key] = process(value)
-        values: Any = (
-            tuple(params[key] for key in compiled.positiontup or ())
-            if compiled.positional
-            else params
-        )
-        cursor = self._dbapi.cursor()
-        try:
-            cursor.execute(compiled.string, values)
-            rows = [tuple(row) for row in cursor.fetchall()] if cursor.description else []
-            return _Result(rows, cursor.rowcount)
-        finally:
-            cursor.close()
