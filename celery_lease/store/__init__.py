@@ -2,6 +2,7 @@
 
 from ._base import Listener, TransitionEvent, dumps
 from ._bulk import Filter
+from ._deadline import bounded_connection
 from ._executor import Executor, Rows
 from ._joined import JoinedTransaction, join_transaction, outbox_transaction
 from ._outcomes import Outcome
@@ -9,6 +10,7 @@ from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
 from ._producer import JoinedSubmission
 from ._reads import InvariantPage
+from ._redact import redact
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
 from ._steps import RecordedStep
 from ._store import Store
@@ -45,8 +47,10 @@ __all__ = [
     "Tables",
     "Totals",
     "TransitionEvent",
+    "bounded_connection",
     "build",
     "dumps",
     "join_transaction",
     "outbox_transaction",
+    "redact",
 ]

@@ -145,3 +145,18 @@ class Watchdog:
 
 #: The process's watchdog: deadlines are per thread, so every engine shares it.
 WATCHDOG = Watchdog()
+
+
+@contextlib.contextmanager
+def bounded_connection(dbapi_conn: Any, timeout: float) -> Iterator[None]:
+    """Shut down ``dbapi_conn``'s socket if the block outlives ``timeout`` seconds.
+
+    For a connection the store does not own but that reads its tables (the Django
+    admin's queries through Django's own connection): the driver call blocked on it
+    then fails at once as a lost connection, as a store call's would."""
+    outer = WATCHDOG.arm(time.monotonic() + timeout)
+    try:
+        WATCHDOG.watch(dbapi_conn)
+        yield
+    finally:
+        WATCHDOG.disarm(outer)

@@ -149,7 +149,7 @@ class LeaseRows:
 
         t = self.store.t
         with self.store.engine.begin() as conn:
-            for table in (t.steps, t.transitions, t.tasks, t.workers):
+            for table in (t.steps, t.transitions, t.tasks, t.workers, t.pauses, t.pause_log):
                 conn.execute(delete(table))
 
     def worker(self, nodename: str = "w1@lease-test") -> str:

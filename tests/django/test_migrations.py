@@ -3,6 +3,7 @@ the migration state and the tables agree; the configuration checks catch mismatc
 
 from __future__ import annotations
 
+import os
 from io import StringIO
 from typing import Any
 
@@ -22,7 +23,9 @@ def test_test_database_has_the_lease_tables_at_the_current_version(django_projec
     store = runtime(django_project).store
     # the store follows Django's test database, not the database named in settings
     assert store.engine.url.database == connection.settings_dict["NAME"]
-    assert connection.settings_dict["NAME"] == "test_celery_lease_django"
+    assert connection.settings_dict["NAME"] == os.environ.get(
+        "CELERY_LEASE_DJANGO_TEST_DB", "test_celery_lease_django"
+    )
     assert store.schema_version() == SCHEMA_VERSION
     with store.engine.connect() as conn:
         rows = conn.execute(select(store.t.version.c.version, store.t.version.c.description)).all()
@@ -58,6 +61,8 @@ def test_models_map_every_column(django_project: Any):
         "Transition": tables.transitions,
         "Step": tables.steps,
         "Worker": tables.workers,
+        "Pause": tables.pauses,
+        "PauseEvent": tables.pause_log,
     }
     for model_name, table in expected.items():
         model = apps.get_model("celery_lease", model_name)
@@ -68,6 +73,9 @@ def test_models_map_every_column(django_project: Any):
         if model_name == "Step":
             # Django's one primary-key field stands in for the (task_id, name) key
             columns["task_id"] = False
+        if model_name == "Pause":
+            # likewise for the (kind, target) key
+            columns["target"] = False
         assert columns == sql_columns, model_name
 
 
@@ -97,6 +105,10 @@ def test_custom_permissions_exist(django_project: Any):
         "view_transition",
         "view_step",
         "view_worker",
+        "view_pause",
+        "pause_task",
+        "resume_task",
+        "view_pauseevent",
     } == codenames
 
 

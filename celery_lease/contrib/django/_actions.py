@@ -19,6 +19,12 @@ from ...operations import Admin
 from ...states import State, action_sources
 
 
+def codename(action: str) -> str:
+    """The permission codename of an operator action: ``<action>_task`` (retry_task,
+    pause_task, ...), checked as ``celery_lease.<codename>``."""
+    return f"{action}_task"
+
+
 @dataclasses.dataclass(frozen=True)
 class LeaseAction:
     """One operator action as the admin shows it."""
@@ -35,7 +41,7 @@ class LeaseAction:
     @property
     def codename(self) -> str:
         """The permission codename (``celery_lease.<codename>``)."""
-        return f"{self.name}_task"
+        return codename(self.name)
 
     @property
     def permission(self) -> str:

@@ -3,7 +3,11 @@
 Everything is read-only except the actions retry / fail / resolve / cancel, which call
 the operator API (``celery_lease.admin(app)``) with ``request.user`` as the actor and
 need the permissions ``celery_lease.retry_task`` / ``fail_task`` / ``resolve_task`` /
-``cancel_task``. A refused action shows an error and changes nothing.
+``cancel_task``. A refused action shows an error and changes nothing. On the selected
+tasks an action runs once per task; on "all matching" tasks (Django's "Select all")
+it is the operator API's bulk action over the list's filters (``_bulk.py``). The pauses
+page and its history are in ``_pauses.py``; every page ends within ``lease_db_timeout``
+when the database does not answer (``_guard.py``).
 """
 
 from __future__ import annotations
@@ -21,111 +25,24 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
 from ...exceptions import IllegalTransition, StoreError, TaskNotFound
-from ...operations import Admin
-from ...operations import admin as operator_api
 from ...records import WorkerRecord
 from ...states import State
-from . import _conf
 from ._actions import ACTIONS, LeaseAction, LeaseActionForm, refusal, summary
+from ._bulk import all_matching, select_across
 from ._display import as_json, badge, display, html, timestamp, when
-from .models import Step, Task, Transition, Worker
+from ._filters import AgeFilter, ReasonFilter, WorkerFilter
+from ._guard import GuardedAdmin, api, guard
+from ._inlines import StepInline, TransitionInline
+from ._pauses import PauseAdmin, PauseEventAdmin
+from .models import Pause, PauseEvent, Task, Worker
 
-#: Tasks one changelist action may touch; bulk work belongs to ``celery lease`` scripts.
+#: Selected tasks one changelist action may touch (all matching ones: ``_bulk.py``).
 MAX_SELECTED = 500
 
+__all__ = ["PauseAdmin", "PauseEventAdmin", "TaskAdmin", "WorkerAdmin", "api"]
 
-def api() -> Admin:
-    """The operator API of the configured Celery app."""
-    return operator_api(_conf.lease_app())
-
-
-# -- filters ------------------------------------------------------------------------------
-
-
-class WorkerFilter(admin.SimpleListFilter):
-    """Tasks whose latest attempt ran on a worker node (any incarnation of it)."""
-
-    title = "worker"
-    parameter_name = "worker"
-
-    def lookups(self, request: Any, model_admin: Any) -> list[tuple[str, str]]:
-        names = (
-            Worker.objects.order_by("nodename").values_list("nodename", flat=True).distinct()[:200]
-        )
-        return [(name, name) for name in names]
-
-    def queryset(self, request: Any, queryset: Any) -> Any:
-        value = self.value()
-        if not value:
-            return queryset
-        return queryset.filter(owner__in=Worker.objects.filter(nodename=value).values("id"))
-
-
-# -- inlines ------------------------------------------------------------------------------
-
-
-class _ReadOnlyInline(admin.TabularInline):
-    extra = 0
-    max_num = 0
-    can_delete = False
-    show_change_link = False
-
-    def has_add_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_view_permission(self, request: Any, obj: Any = None) -> bool:
-        # whoever may see a task may see its trail and steps
-        return bool(request.user.has_perm("celery_lease.view_task"))
-
-
-class TransitionInline(_ReadOnlyInline):
-    """The audit trail, oldest first."""
-
-    model = Transition
-    fields = ("at_shown", "from_state_badge", "to_state_badge", "actor", "attempt", "reason")
-    readonly_fields = fields
-    verbose_name = "transition"
-    verbose_name_plural = "audit trail"
-
-    at_shown = timestamp("at", "at")
-
-    @display(description="from")
-    def from_state_badge(self, obj: Transition) -> str:
-        return badge(obj.from_state) if obj.from_state else "(created)"
-
-    @display(description="to")
-    def to_state_badge(self, obj: Transition) -> str:
-        return badge(obj.to_state)
-
-
-class StepInline(_ReadOnlyInline):
-    """Recorded steps, in the order they started."""
-
-    model = Step
-    fields = (
-        "name",
-        "state",
-        "idempotent",
-        "checkable",
-        "attempt",
-        "result_json",
-        "started",
-        "finished",
-    )
-    readonly_fields = fields
-
-    started = timestamp("started_at", "started")
-    finished = timestamp("finished_at", "finished")
-
-    @display(description="result")
-    def result_json(self, obj: Step) -> str:
-        return as_json(obj.result)
+admin.site.register(Pause, PauseAdmin)
+admin.site.register(PauseEvent, PauseEventAdmin)
 
 
 # -- tasks --------------------------------------------------------------------------------
@@ -142,7 +59,7 @@ def _changelist_action(spec: LeaseAction) -> Any:
 
 
 @admin.register(Task)
-class TaskAdmin(admin.ModelAdmin):
+class TaskAdmin(GuardedAdmin):
     """Leased tasks: read-only, with operator actions."""
 
     list_display = (
@@ -156,7 +73,7 @@ class TaskAdmin(admin.ModelAdmin):
         "short_reason",
     )
     list_display_links = ("short_id",)
-    list_filter = ("state", "name", WorkerFilter)
+    list_filter = ("state", "name", WorkerFilter, ReasonFilter, AgeFilter)
     search_fields = ("^id", "=dedup_key")
     search_help_text = "Task id (or its start) or exact dedup key."
     ordering = ("-created_at",)
@@ -375,27 +292,27 @@ class TaskAdmin(admin.ModelAdmin):
                 out.append({"spec": spec, "url": url})
         return out
 
-    def change_view(
+    def render_change_form(
         self,
         request: Any,
-        object_id: str,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
         form_url: str = "",
-        extra_context: dict[str, Any] | None = None,
+        obj: Any = None,
     ) -> Any:
-        context = dict(extra_context or {})
-        obj = self.get_object(request, unquote(object_id))
         if obj is not None:
             context["lease_actions"] = self.available_actions(request, obj)
             context["lease_task"] = obj
             context["lease_state_badge"] = badge(obj.state)
-        return super().change_view(request, object_id, form_url, extra_context=context)
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
     def get_urls(self) -> list[Any]:
         info = self.opts.app_label, self.opts.model_name
         custom = [
             path(
                 "<path:object_id>/lease/<str:action>/",
-                self.admin_site.admin_view(self.lease_action_view),
+                self.admin_site.admin_view(guard(self, self.lease_action_view)),
                 name="{}_{}_lease_action".format(*info),
             )
         ]
@@ -427,13 +344,16 @@ class TaskAdmin(admin.ModelAdmin):
         return self.render_confirmation(request, spec, [obj], form, cancel_url=change_url)
 
     def run_changelist_action(self, request: Any, spec: LeaseAction, queryset: Any) -> Any:
-        """A changelist action: a confirmation page first, then the operator API per task."""
+        """A changelist action: a confirmation page first, then the operator API per task;
+        over all matching tasks, the operator API's bulk action (:mod:`._bulk`)."""
+        if select_across(request):
+            return all_matching(self, request, spec)
         tasks = list(queryset.order_by("-created_at")[: MAX_SELECTED + 1])
         if len(tasks) > MAX_SELECTED:
             self.message_user(
                 request,
-                f"Select at most {MAX_SELECTED} tasks per action (use `celery -A proj lease` "
-                "for bulk changes). Nothing was changed.",
+                f"Select at most {MAX_SELECTED} tasks per action, or all matching tasks "
+                "(the action then goes through the bulk operator API). Nothing was changed.",
                 messages.ERROR,
             )
             return None
@@ -507,7 +427,7 @@ class TaskAdmin(admin.ModelAdmin):
 
 
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):
+class WorkerAdmin(GuardedAdmin):
     """Worker incarnations: who holds leases, and whether they are alive."""
 
     search_fields = ("nodename", "=id", "hostname")

@@ -183,3 +183,64 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return f"{self.nodename} ({self.id})"
+
+
+PAUSE_KINDS = [("queue", "queue"), ("task", "task name")]
+
+
+class Pause(models.Model):
+    """A queue or task name paused now (a row of ``<prefix>pauses``).
+
+    The table's key is ``(kind, target)``; Django needs one primary-key field, so
+    ``target`` is declared as the key. The admin never fetches a pause by it: the pauses
+    page reads and changes them through the operator API.
+    """
+
+    kind = models.CharField(max_length=8, choices=PAUSE_KINDS)
+    target = models.CharField(max_length=255, primary_key=True)
+    actor = models.CharField(max_length=255)
+    reason = models.TextField()
+    paused_at = LeaseTimeField()
+
+    objects: ClassVar[LeaseManager] = LeaseManager()
+
+    class Meta:
+        managed = False
+        db_table = _conf.db_table("pauses")
+        ordering = ("paused_at",)
+        verbose_name = "pause"
+        verbose_name_plural = "pauses"
+        # pausing and resuming go through the operator API, with these permissions
+        default_permissions = ("view",)
+        permissions = (
+            ("pause_task", "Can pause a queue or task name"),
+            ("resume_task", "Can resume a paused queue or task name"),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.target}"
+
+
+class PauseEvent(models.Model):
+    """One pause or resume, with who and why (a row of ``<prefix>pause_log``)."""
+
+    id = models.BigAutoField(primary_key=True)
+    kind = models.CharField(max_length=8, choices=PAUSE_KINDS)
+    target = models.CharField(max_length=255)
+    action = models.CharField(max_length=8)
+    actor = models.CharField(max_length=255)
+    reason = models.TextField()
+    at = LeaseTimeField()
+
+    objects: ClassVar[LeaseManager] = LeaseManager()
+
+    class Meta:
+        managed = False
+        db_table = _conf.db_table("pause_log")
+        ordering = ("-id",)
+        verbose_name = "pause history entry"
+        verbose_name_plural = "pause history"
+        default_permissions = ("view",)
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.kind} {self.target}"
