@@ -311,9 +311,10 @@ def run(ctx: Context) -> Section:
             ],
         ),
         "",
-        "The embedded reaper's cost is per worker too (one lock renewal and four candidate "
-        "queries per `lease_reaper_interval`, each its own transaction); with several "
-        "workers only the lock holder sweeps.",
+        "The embedded reaper's cost is per worker too (per `lease_reaper_interval`: one lock "
+        "renewal, four candidate queries, one check for audit rows to fold into the "
+        "transition totals and one retention batch, each its own transaction); with "
+        "several workers only the lock holder sweeps.",
         "",
         f"Load average at the end: {loadavg()}.",
     )

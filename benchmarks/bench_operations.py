@@ -10,6 +10,14 @@ during the purge), 1,000 RUNNING, 100 RUNNING owned by a dead worker (zombies),
 8 to 37 days ago (older than the default retention of 7 days). Three audit rows per
 task and one recorded step per ten.
 
+The transition counters: the table is built with an empty transition-totals table
+(watermark 0), as a database just migrated to schema version 5 over a full audit
+table is. The first Prometheus scrape is timed then (the reaper has folded nothing:
+the scrape counts a capped tail and reports the lag), then the reaper's fold
+(``Reaper.fold_transitions``, its bounded batches) is timed until it has caught up,
+and the first scrape of a fresh collector afterwards, with ``EXPLAIN`` of every query
+of the scrapes and of one fold batch.
+
 The purge runs the reaper's own retention batches (``Reaper.purge_expired``) for a
 fixed time; a second thread claims PENDING rows one after another the whole time.
 """
@@ -206,6 +214,41 @@ class Claimer(threading.Thread):
         return [lat for at, lat in self.latencies if start <= at <= end]
 
 
+def _counter_rows(counters: dict[str, Any], cfg: Any) -> list[tuple[str, Any]]:
+    """The transition counters' rows of the table (none without prometheus-client)."""
+    if not counters:
+        return [("Prometheus scrapes", "not measured: prometheus-client is not installed")]
+    cold, warm = counters["cold"], counters["warm"]
+    rate = counters["folded"] / counters["fold_s"] if counters["fold_s"] else 0.0
+    return [
+        ("audit rows (highest audit id)", f"{counters['audit_rows']:,}"),
+        (
+            "first scrape, nothing folded yet (s; `celery_lease_up`)",
+            f"{counters['cold_s']:.3f} (up={cold['up']:.0f})",
+        ),
+        (
+            "  its transitions counted / fold lag / uncounted (audit ids)",
+            f"{cold['transitions']:,.0f} / {cold.get('fold_lag', 0):,.0f} / "
+            f"{cold.get('uncounted', 0):,.0f}",
+        ),
+        (
+            f"reaper fold to catch up (one batch explained, then {counters['fold_sweeps'] - 1} "
+            f"reaper fold passes of up to 20 batches of {cfg.totals_batch_size:,} ids)",
+            f"{counters['folded']:,} rows in {counters['fold_s']:.1f} s ({rate:,.0f} rows/s)",
+        ),
+        (
+            "first scrape of a fresh collector after the fold (s)",
+            f"{counters['warm_s']:.3f} (up={warm['up']:.0f})",
+        ),
+        (
+            "  its transitions counted / fold lag / uncounted",
+            f"{warm['transitions']:,.0f} / {warm.get('fold_lag', 0):,.0f} / "
+            f"{warm.get('uncounted', 0):,.0f}",
+        ),
+        ("scrape after the fold, median of 3 more (s)", median(counters["warm_again_s"])),
+    ]
+
+
 def _ms(values: list[float]) -> str:
     if not values:
         return "-"
@@ -213,6 +256,77 @@ def _ms(values: list[float]) -> str:
         f"{1000 * median(values):.2f} / {1000 * percentile(values, 99):.2f} / "
         f"{1000 * max(values):.2f} ({len(values)} claims)"
     )
+
+
+def _scrape(app: Any, store: Any) -> tuple[float, dict[str, float], list[tuple[str, str]]]:
+    """A fresh collector's first scrape: (seconds, the counters' gauges, its plans)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from celery_lease.metrics import registry
+
+    t0 = time.perf_counter()
+    body = generate_latest(registry(app, store)).decode()
+    took = time.perf_counter() - t0
+    gauges: dict[str, float] = {"up": 0.0, "transitions": 0.0}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == "celery_lease_up":
+                gauges["up"] = sample.value
+            elif sample.name == "celery_lease_transitions_total":
+                gauges["transitions"] += sample.value
+            elif sample.name in (
+                "celery_lease_transitions_fold_lag",
+                "celery_lease_transitions_uncounted",
+            ):
+                gauges[sample.name.removeprefix("celery_lease_transitions_")] = sample.value
+    plans = explain(store, lambda: generate_latest(registry(app, store)))
+    return took, gauges, plans
+
+
+def measure_counters(app: Any, store: Any, ctx: Context) -> dict[str, Any]:
+    """The transition counters on the full audit table: before and after the fold."""
+    from celery_lease.reaper import Reaper
+
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return {}
+    out: dict[str, Any] = {}
+    ctx.log("operations: first scrape, nothing folded")
+    out["cold_s"], out["cold"], cold_plans = _scrape(app, store)
+    reaper = Reaper(app, actor="reaper:bench", store=store)
+    ctx.log("operations: folding the audit table")
+    first: list[Any] = []
+    t0 = time.perf_counter()
+    out["fold_plans"] = explain(store, lambda: first.append(store.fold_transitions()))
+    sweeps, folded = 1, first[0].rows  # one batch, explained (its time counts)
+    while True:
+        n = reaper.fold_transitions()
+        if n == 0:
+            break
+        folded += n
+        sweeps += 1
+    out["fold_s"] = time.perf_counter() - t0
+    out["folded"], out["fold_sweeps"] = folded, sweeps
+    out["warm_s"], out["warm"], warm_plans = _scrape(app, store)
+    again = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        _scrape_once(app, store)
+        again.append(time.perf_counter() - t0)
+    out["warm_again_s"] = again
+    out["audit_rows"] = store.transition_totals().top
+    out["plans"] = [("cold", *p) for p in cold_plans] + [("warm", *p) for p in warm_plans]
+    return out
+
+
+def _scrape_once(app: Any, store: Any) -> None:
+    from prometheus_client import generate_latest
+
+    from celery_lease.metrics import registry
+
+    generate_latest(registry(app, store))
 
 
 def run(ctx: Context) -> Section:
@@ -252,19 +366,7 @@ def run(ctx: Context) -> Section:
                 t0 = time.perf_counter()
                 api.stats()
                 stats_again.append(time.perf_counter() - t0)
-            scrape_s = None
-            try:
-                from prometheus_client import generate_latest
-
-                from celery_lease.metrics import registry
-
-                reg = registry(app, store)
-                generate_latest(reg)  # the first scrape folds the audit table's past
-                t0 = time.perf_counter()
-                generate_latest(reg)
-                scrape_s = time.perf_counter() - t0
-            except ImportError:
-                pass
+            counters = measure_counters(app, store, ctx)
             purge_plans = explain(store, lambda: store.purge_expired(cfg.retention, limit=1000))
             # purge the whole time while a claimer claims; baseline first
             reaper = Reaper(app, actor="reaper:bench", store=store)
@@ -293,12 +395,17 @@ def run(ctx: Context) -> Section:
             app.close()
     rate = purged / (p_end - p_start)
     seq = [p for _, p in [*stats_plans, *purge_plans] if "Seq Scan on lease_tasks" in p]
+    scrape_plans = [(sql, plan) for _, sql, plan in counters.get("plans", [])]
+    big = ("Seq Scan on lease_tasks", "Seq Scan on lease_transitions")
+    scrape_seq = [p for _, p in scrape_plans if any(b in p for b in big)]
+    fold_plans = counters.get("fold_plans", [])
     section.data = {
         "rows": total,
         "build": build_times,
         "stats_s": stats_s,
         "stats_again_s": stats_again,
-        "scrape_s": scrape_s,
+        "counters": {k: v for k, v in counters.items() if not k.endswith("plans")},
+        "scrape_seq_scans": len(scrape_seq),
         "purged": purged,
         "purge_seconds": p_end - p_start,
         "purge_rate": rate,
@@ -339,7 +446,11 @@ def run(ctx: Context) -> Section:
                 ("WAIT_MANUAL rows left (must be 1,000)", f"{manual_left:,}"),
                 ("`admin(app).stats()` (`lease stats`), first call (s)", stats_s),
                 ("`admin(app).stats()`, median of 3 more (s)", median(stats_again)),
-                ("Prometheus scrape after the first (s)", "-" if scrape_s is None else scrape_s),
+                *_counter_rows(counters, cfg),
+                (
+                    "scrape plans with a sequential scan of the tasks or audit table",
+                    f"{len(scrape_seq)} of {len(scrape_plans)}",
+                ),
                 (
                     "plans with a sequential scan of the tasks table",
                     f"{len(seq)} of {len(stats_plans) + len(purge_plans)}",
@@ -354,6 +465,27 @@ def run(ctx: Context) -> Section:
     for sql, plan in [*stats_plans, *purge_plans]:
         shown = " ".join(sql.split()).replace(f"{schema}.", "")
         section.add("```sql", shown, "```", "```", plan, "```", "")
+    if counters:
+        section.add(
+            "The transition counters' queries: a scrape's (a fresh collector, nothing folded "
+            "yet, then after the fold; the queries shared with `stats()` are above) and one "
+            "fold batch's, with `EXPLAIN (ANALYZE, BUFFERS)`:",
+            "",
+        )
+        seen: set[str] = set()
+        counter_plans = [(w, q, p) for w, q, p in counters["plans"]]
+        counter_plans += [("fold", q, p) for q, p in fold_plans]
+        for when, sql, plan in counter_plans:
+            if not any(
+                name in sql for name in ("lease_transition", "FROM lease_counters", "lease_workers")
+            ):
+                continue  # the stats() queries, shown above
+            key = f"{when}:{sql}"
+            if key in seen:
+                continue
+            seen.add(key)
+            shown = " ".join(sql.split()).replace(f"{schema}.", "")
+            section.add(f"{when}:", "", "```sql", shown, "```", "```", plan, "```", "")
     section.add(f"Load average at the end: {loadavg()}.")
     return section
 

@@ -120,6 +120,15 @@ class LeaseConfig:
     retention: float | None = DEFAULT_RETENTION
     #: Rows deleted per retention batch (each batch is one short transaction).
     retention_batch_size: int = 1000
+    #: Audit ids the reaper folds into the transition totals per batch (one transaction
+    #: reading one primary-key range; at most 20 batches a sweep).
+    totals_batch_size: int = 50_000
+    #: An audit row is folded into the totals once a row at least as high is this many
+    #: seconds old: a transaction still open may commit a lower id than a fresh row.
+    totals_settle: float = 60.0
+    #: Audit ids above the watermark a Prometheus scrape counts at most (a primary-key
+    #: range); past it the scrape reports the rows it left out instead of reading them.
+    metrics_tail_rows: int = 200_000
     #: Send Celery task events (task-timeout, task-wait-manual, ...) for the transitions
     #: Celery cannot see, for Flower and ``celery events``.
     send_events: bool = True
@@ -165,11 +174,21 @@ class LeaseConfig:
             "lease_args_max_bytes": self.args_max_bytes,
             "lease_pool_size": self.pool_size,
             "lease_retention_batch_size": self.retention_batch_size,
+            "lease_totals_batch_size": self.totals_batch_size,
             "lease_outcome_batch_size": self.outcome_batch_size,
             "lease_outcome_buffer": self.outcome_buffer,
         }.items():
             if ivalue < 1:
                 raise ConfigurationError(f"{key} must be at least 1, got {ivalue!r}")
+        if self.metrics_tail_rows < 0:
+            raise ConfigurationError(
+                f"lease_metrics_tail_rows must be at least 0, got {self.metrics_tail_rows!r}"
+            )
+        if not self.totals_settle >= 0:
+            raise ConfigurationError(
+                "lease_totals_settle must be zero or a positive number of seconds, "
+                f"got {self.totals_settle!r}"
+            )
         if not self.outcome_flush_interval >= 0:
             raise ConfigurationError(
                 "lease_outcome_flush_interval must be zero or a positive number of seconds, "
@@ -223,6 +242,9 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_db_startup_timeout": ("db_startup_timeout", float),
     "lease_retention": ("retention", float),
     "lease_retention_batch_size": ("retention_batch_size", int),
+    "lease_totals_batch_size": ("totals_batch_size", int),
+    "lease_totals_settle": ("totals_settle", float),
+    "lease_metrics_tail_rows": ("metrics_tail_rows", int),
     "lease_send_events": ("send_events", bool),
     "lease_result_backend_sync": ("result_backend_sync", bool),
     "lease_outcome_write_through": ("outcome_write_through", bool),

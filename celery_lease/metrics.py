@@ -31,23 +31,29 @@ quantile}``                                                window (SUCCEEDED and
 {task}``
 ``celery_lease_counts_estimated``               gauge      1 if a finished state's count is
                                                            PostgreSQL's estimate
+``celery_lease_transitions_fold_lag``           gauge      audit ids the reaper has not folded
+                                                           into the transition totals yet
+``celery_lease_transitions_uncounted``          gauge      audit ids above this scrape's tail
+                                                           (counters behind by at most this)
 ==============================================  =========  ==================================
 
 The window of the per-task figures is ``window`` seconds (default 300; ``lease metrics
 --window``). Counts of SUCCEEDED, FAILED and CANCELLED rows beyond 100,000 each are
 PostgreSQL's planner estimates, so a scrape stays cheap however large the table is.
 
-The counters are read from the audit table incrementally: rows older than a settle
-time are folded into an in-memory total once, so ``lease purge`` deleting old audit
-rows never makes a counter go down; a restart of the serving process is an ordinary
-counter reset.
+The transition counters are read from the transition totals the reaper keeps (settled
+audit rows folded in bounded batches, see ``celery_lease.store._totals``) plus the
+audit rows above their watermark, at most ``lease_metrics_tail_rows`` of them by
+primary-key range: a scrape reads a handful of rows and a bounded tail whatever the
+size of the audit table, a fresh metrics process serves the same totals as an old one,
+and deleting audit rows (retention, ``lease purge``) never lowers a counter. When the
+reaper is behind, ``celery_lease_transitions_fold_lag`` says by how many audit ids
+and ``celery_lease_transitions_uncounted`` how many this scrape left out.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -58,13 +64,9 @@ from ._runtime import runtime
 from .exceptions import CeleryLeaseError, MissingDependencyError
 from .health import TaskHealth, state_counts, task_health
 from .states import State
-from .store import Store
+from .store import Store, Totals
 
 logger = logging.getLogger("celery_lease.metrics")
-
-#: Audit rows younger than this (seconds) are counted afresh at every scrape: a
-#: transaction still open when a scrape reads cannot be skipped by the running total.
-SETTLE = 60.0
 
 _Pair = tuple[str, str]
 
@@ -149,25 +151,25 @@ def _prometheus() -> Any:
 
 
 class TransitionTotals:
-    """Monotonic transition counts read from the audit table, incrementally."""
+    """Monotonic transition counts: the reaper's folded totals plus a bounded tail of
+    the audit rows above their watermark (at most ``tail`` ids; default
+    ``lease_metrics_tail_rows``)."""
 
-    def __init__(self, settle: float = SETTLE) -> None:
-        self.settle = settle
-        self._base: collections.Counter[_Pair] = collections.Counter()
-        self._base_id = 0
-        self._lock = threading.Lock()
+    def __init__(self, tail: int | None = None) -> None:
+        self.tail = tail
+
+    def snapshot(self, store: Store) -> Totals:
+        """The store's transition totals with this tail (lag and what it left out too)."""
+        return store.transition_totals(tail=self.tail)
 
     def read(self, store: Store) -> dict[_Pair, int]:
         """Totals by (from_state, to_state); a row's creation counts as from ``"none"``."""
-        with self._lock:
-            counts = store.transition_counts(self._base_id, settle=self.settle)
-            for frm, to, n in counts.settled:
-                self._base[(frm or "none", to)] += n
-            self._base_id = counts.upto
-            totals = collections.Counter(self._base)
-        for frm, to, n in counts.fresh:
-            totals[(frm or "none", to)] += n
-        return dict(totals)
+        return labelled(self.snapshot(store))
+
+
+def labelled(totals: Totals) -> dict[_Pair, int]:
+    """``totals.counts`` keyed by label values (a creation is from ``"none"``)."""
+    return {(frm or "none", to): n for (frm, to), n in totals.counts.items()}
 
 
 class LeaseCollector:
@@ -177,13 +179,14 @@ class LeaseCollector:
         self,
         app: Celery,
         store: Store | None = None,
-        settle: float = SETTLE,
         window: float = WINDOW,
+        *,
+        tail: int | None = None,
     ) -> None:
         self.prom = _prometheus()
         self.app = app
         self._store = store
-        self.totals = TransitionTotals(settle)
+        self.totals = TransitionTotals(tail)
         self.window = window
 
     @property
@@ -247,7 +250,8 @@ class LeaseCollector:
         oldest.add_metric([], store.oldest_pending_age() or 0.0)
         yield oldest
 
-        totals = self.totals.read(store)
+        seen = self.totals.snapshot(store)
+        totals = labelled(seen)
         transitions = core.CounterMetricFamily(
             "celery_lease_transitions",
             "State changes recorded in the audit trail",
@@ -261,6 +265,19 @@ class LeaseCollector:
         )
         recoveries.add_metric([], totals.get((State.RUNNING.value, State.TIMEOUT.value), 0))
         yield recoveries
+        lag = core.GaugeMetricFamily(
+            "celery_lease_transitions_fold_lag",
+            "Audit ids above the transition totals' watermark: what the reaper has yet to fold",
+        )
+        lag.add_metric([], seen.lag)
+        yield lag
+        uncounted = core.GaugeMetricFamily(
+            "celery_lease_transitions_uncounted",
+            "Audit ids above what this scrape counted (the transition counters are behind "
+            "by at most this many; 0 unless the reaper is far behind)",
+        )
+        uncounted.add_metric([], seen.uncounted)
+        yield uncounted
 
         counts_total = store.counters()
         for name, help_text in _COUNTERS.items():
@@ -298,12 +315,12 @@ class LeaseCollector:
 
 
 def registry(
-    app: Celery, store: Store | None = None, settle: float = SETTLE, window: float = WINDOW
+    app: Celery, store: Store | None = None, window: float = WINDOW, *, tail: int | None = None
 ) -> Any:
     """A ``prometheus_client.CollectorRegistry`` holding only the lease collector."""
     prom = _prometheus()
     reg = prom.CollectorRegistry(auto_describe=False)
-    reg.register(LeaseCollector(app, store, settle, window))
+    reg.register(LeaseCollector(app, store, window, tail=tail))
     return reg
 
 
@@ -312,15 +329,16 @@ def serve(
     port: int,
     addr: str = "0.0.0.0",
     store: Store | None = None,
-    settle: float = SETTLE,
     window: float = WINDOW,
+    *,
+    tail: int | None = None,
 ) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from a background thread; returns the server
     (``server.shutdown()`` stops it; ``server.server_address`` says where it listens)."""
     prom = _prometheus()
-    reg = registry(app, store, settle, window)
+    reg = registry(app, store, window, tail=tail)
     server, _thread = prom.start_http_server(port, addr=addr, registry=reg)
     return server
 
 
-__all__ = ["SETTLE", "WINDOW", "LeaseCollector", "TransitionTotals", "registry", "serve"]
+__all__ = ["WINDOW", "LeaseCollector", "TransitionTotals", "registry", "serve"]

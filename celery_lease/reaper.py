@@ -42,6 +42,8 @@ class ReapReport:
     purged: int = 0
     #: Published rows not re-published: the broker says their queue still holds messages.
     held: int = 0
+    #: Audit rows folded into the transition totals (not an action: not in ``total``).
+    folded: int = 0
 
     def add_expiries(self, expiries: Sequence[Expiry]) -> None:
         self.expired += len(expiries)
@@ -65,7 +67,8 @@ class Reaper:
         self.store = store or runtime(app).store
 
     def sweep(self) -> ReapReport:
-        """One full pass: expired leases, overruns, due retries, lost or unpublished rows."""
+        """One full pass: expired leases, overruns, due retries, lost or unpublished rows,
+        the transition totals, retention."""
         report = ReapReport()
         batch = self.store.config.reaper_batch_size
         for _ in range(MAX_BATCHES):
@@ -93,6 +96,7 @@ class Reaper:
             if len(rows) < batch or failed:
                 break
         self.store.add_counts({REPUBLISHED: report.republished})
+        self.fold_transitions(report)  # before retention deletes audit rows (see _totals)
         self.purge_expired(report)
         if report.total:
             logger.info("reaper %s: %s", self.actor, report.as_dict())
@@ -110,6 +114,16 @@ class Reaper:
             if n < cfg.retention_batch_size:
                 break
         return report.purged
+
+    def fold_transitions(self, report: ReapReport | None = None) -> int:
+        """Fold settled audit rows into the transition totals, in bounded batches."""
+        report = report if report is not None else ReapReport()
+        for _ in range(MAX_BATCHES):
+            fold = self.store.fold_transitions()
+            report.folded += fold.rows
+            if not fold.more:
+                break
+        return report.folded
 
     def publish_due(self, report: ReapReport | None = None) -> int:
         """Move due RETRY_WAIT rows to PENDING and publish them."""

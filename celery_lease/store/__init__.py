@@ -9,11 +9,12 @@ from ._outcomes import Outcome
 from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
 from ._producer import JoinedSubmission
-from ._reads import InvariantPage, TransitionCounts
+from ._reads import InvariantPage
 from ._redact import redact
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
 from ._steps import RecordedStep
 from ._store import Store
+from ._totals import Fold, Totals
 from ._types import (
     Claim,
     Expiry,
@@ -37,6 +38,7 @@ __all__ = [
     "Expiry",
     "FenceResult",
     "Filter",
+    "Fold",
     "InvariantPage",
     "JoinedSubmission",
     "JoinedTransaction",
@@ -53,7 +55,7 @@ __all__ = [
     "Rows",
     "Store",
     "Tables",
-    "TransitionCounts",
+    "Totals",
     "TransitionEvent",
     "bounded_connection",
     "build",

@@ -12,9 +12,10 @@ from ..exceptions import TaskNotFound
 from ..states import STEP_DONE, Actor, State
 from ._reads import ReadsMixin
 from ._sql import db_now
+from ._totals import TotalsMixin
 
 
-class OperatorMixin(ReadsMixin):
+class OperatorMixin(ReadsMixin, TotalsMixin):
     # -- operator transitions ---------------------------------------------------------
 
     def _lock_state(self, conn: Connection, task_id: str) -> State:
@@ -138,7 +139,7 @@ class OperatorMixin(ReadsMixin):
             ids = [r.id for r in conn.execute(q).all()]
             if ids:
                 conn.execute(delete(s).where(s.c.task_id.in_(ids)))
-                conn.execute(delete(tr).where(tr.c.task_id.in_(ids)))
+                self._delete_audit(conn, tr.c.task_id.in_(ids))  # counted, then deleted
                 conn.execute(delete(t).where(t.c.id.in_(ids)))
             return len(ids)
 

@@ -30,10 +30,11 @@ from sqlalchemy.dialects import postgresql
 from ..config import LeaseConfig
 from ..states import State
 from . import _engine
-from ._base import StoreBase, TransitionEvent, state_is
+from ._base import TransitionEvent, state_is
 from ._executor import Executor
 from ._marks import PublishedMarks
 from ._sql import after, db_now
+from ._totals import TotalsMixin
 from ._types import NewTask
 
 #: Columns of a new row taken from :class:`NewTask` (bound as ``b_<name>``).
@@ -72,7 +73,7 @@ def _submit_params(new: NewTask) -> dict[str, Any]:
     return params
 
 
-class ProducerMixin(StoreBase):
+class ProducerMixin(TotalsMixin):
     def __init__(self, config: LeaseConfig) -> None:
         super().__init__(config)
         self._marks = PublishedMarks(self.mark_published)
@@ -258,6 +259,6 @@ class ProducerMixin(StoreBase):
                 )
             ).rowcount
             if gone:
-                conn.execute(delete(tr).where(tr.c.task_id == task_id))
+                self._delete_audit(conn, tr.c.task_id == task_id)
 
         self._tx(op)

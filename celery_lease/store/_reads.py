@@ -1,5 +1,6 @@
 """What the store lets anyone read: records, counts, and the read-only queries of the
-invariant checker, the operator statistics and the Prometheus metrics.
+invariant checker, the operator statistics and the Prometheus metrics (the
+transition totals are read in ``_totals``, next to the fold that writes them).
 
 Nothing here writes. Every query the checker, ``Admin.stats`` and the metrics run
 is a named operation of this mixin, so no module outside the store builds SQL.
@@ -44,19 +45,6 @@ class InvariantPage:
     tasks: list[Row[Any]]
     audits: list[Row[Any]]
     steps: list[Row[Any]]
-
-
-@dataclasses.dataclass(frozen=True)
-class TransitionCounts:
-    """Audit rows counted by transition (see :meth:`ReadsMixin.transition_counts`).
-
-    ``settled`` counts rows with ids in ``(since, upto]`` (old enough that no open
-    transaction can still add one below ``upto``); ``fresh`` counts the rows above
-    ``upto``."""
-
-    upto: int
-    settled: list[tuple[str | None, str, int]]
-    fresh: list[tuple[str | None, str, int]]
 
 
 class ReadsMixin(StoreBase):
@@ -380,41 +368,6 @@ class ReadsMixin(StoreBase):
             steps = list(conn.execute(step_q))
             tasks = list(conn.execute(task_q))
             return InvariantPage(tasks, audits, steps)
-
-        return self._read(op)
-
-    # -- metrics ------------------------------------------------------------------------
-
-    def transition_counts(self, since: int, *, settle: float) -> TransitionCounts:
-        """Audit rows with ids above ``since`` counted by transition, split where rows
-        become younger than ``settle`` seconds (a transaction still open may yet commit
-        a row with a lower id than a fresh one, never lower than a settled one)."""
-        tr = self.t.transitions
-
-        def op(conn: Connection) -> TransitionCounts:
-            first_fresh = conn.execute(
-                select(func.min(tr.c.id)).where(
-                    tr.c.id > since, tr.c.at >= after(db_now(), -settle)
-                )
-            ).scalar()
-            if first_fresh is not None:
-                upto = int(first_fresh) - 1
-            else:
-                upto = int(conn.execute(select(func.max(tr.c.id))).scalar() or since)
-            pairs = (tr.c.from_state, tr.c.to_state)
-            settled = conn.execute(
-                select(*pairs, func.count())
-                .where(tr.c.id > since, tr.c.id <= upto)
-                .group_by(*pairs)
-            ).all()
-            fresh = conn.execute(
-                select(*pairs, func.count()).where(tr.c.id > upto).group_by(*pairs)
-            ).all()
-            return TransitionCounts(
-                max(upto, since),
-                [(frm, to, int(n)) for frm, to, n in settled],
-                [(frm, to, int(n)) for frm, to, n in fresh],
-            )
 
         return self._read(op)
 

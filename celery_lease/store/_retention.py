@@ -6,7 +6,10 @@ another transaction holds is left for the next batch, never waited for), their s
 audit rows and the rows themselves are deleted, and the ``purged`` counter is raised,
 all in one round trip. Live rows (PENDING, RUNNING, RETRY_WAIT, TIMEOUT, WAIT_MANUAL)
 are never chosen: the query names the finished states only, in the words of the
-partial index ``<prefix>tasks_finished`` so that every plan can use it.
+partial index ``<prefix>tasks_finished`` so that every plan can use it. The audit
+rows it deletes that the reaper has not folded into the transition totals yet are
+added to the totals in the same statement (see ``_totals``), so a purge never lowers a
+counter.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Any
 from sqlalchemy import Connection, Float, String, bindparam, delete, func, select, text
 from sqlalchemy.dialects import postgresql
 
-from ._base import StoreBase
 from ._sql import after, db_now
+from ._totals import TotalsMixin
 from .schema import FINISHED_SQL
 
 #: Names of the counters (``lease_counters.name``).
@@ -28,7 +31,7 @@ REPUBLISHED = "republished"
 COUNTERS = (PURGED, DUPLICATES_DROPPED, REPUBLISHED)
 
 
-class RetentionMixin(StoreBase):
+class RetentionMixin(TotalsMixin):
     # -- counters ---------------------------------------------------------------------
 
     def _bump_statement(self) -> Any:
@@ -89,7 +92,7 @@ class RetentionMixin(StoreBase):
         victims = self._victims().cte("victims")
         chosen = select(victims.c.id)
         gone_steps = delete(s).where(s.c.task_id.in_(chosen)).cte("gone_steps")
-        gone_audit = delete(tr).where(tr.c.task_id.in_(chosen)).cte("gone_audit")
+        gone_audit, counted_audit = self._audit_delete_ctes(tr.c.task_id.in_(chosen))
         gone = delete(t).where(t.c.id.in_(chosen)).returning(t.c.id).cte("gone")
         counted = select(func.count()).select_from(gone).scalar_subquery()
         bump = postgresql.insert(c).from_select(
@@ -101,7 +104,7 @@ class RetentionMixin(StoreBase):
             set_={"value": c.c.value + bump.excluded.value, "updated_at": db_now()},
         )
         return select(counted.label("purged")).add_cte(
-            gone_steps, gone_audit, gone, bump.cte("bumped")
+            gone_steps, gone_audit, *counted_audit, gone, bump.cte("bumped")
         )
 
     def purge_expired(self, older_than: float, *, limit: int | None = None) -> int:
@@ -125,7 +128,7 @@ class RetentionMixin(StoreBase):
             ids = [r.id for r in conn.execute(self._victims(), params)]
             if ids:
                 conn.execute(delete(s).where(s.c.task_id.in_(ids)))
-                conn.execute(delete(tr).where(tr.c.task_id.in_(ids)))
+                self._delete_audit(conn, tr.c.task_id.in_(ids))
                 conn.execute(delete(t).where(t.c.id.in_(ids)))
                 self.add_counts({PURGED: len(ids)}, conn)
             return len(ids)

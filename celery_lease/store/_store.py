@@ -25,6 +25,7 @@ from ._retention import RetentionMixin
 from ._setup import SetupMixin
 from ._steps import StepsMixin
 from ._submit_many import SubmitManyMixin
+from ._totals import TotalsMixin
 from ._workers import WorkersMixin
 
 
@@ -45,6 +46,7 @@ class Store(
     HealthMixin,
     PausesMixin,
     BacklogMixin,
+    TotalsMixin,
     StoreBase,
 ):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe)."""

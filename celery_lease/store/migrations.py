@@ -53,11 +53,48 @@ def _task_message(conn: Connection, tables: Tables) -> None:
         conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(tasks)} ADD COLUMN message TEXT")
 
 
+def _audit_ids_never_reused(conn: Connection, tables: Tables) -> None:
+    """SQLite: rebuild the audit table with AUTOINCREMENT ids, rows kept (a rowid table
+    gives a new row the highest id left plus one, which may be an id folded already)."""
+    tr = tables.transitions
+    if conn.dialect.name != "sqlite":
+        return  # PostgreSQL's ids come from a sequence: never reused
+    sql = conn.exec_driver_sql(
+        "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (tr.name,)
+    ).scalar()
+    if sql is None or "AUTOINCREMENT" in sql.upper():
+        return
+    old = f"{tr.name}_before_v5"
+    for index in tr.indexes:  # index names are per database: free them for the new table
+        conn.exec_driver_sql(f'DROP INDEX IF EXISTS "{index.name}"')
+    conn.exec_driver_sql(f'ALTER TABLE "{tr.name}" RENAME TO "{old}"')
+    tr.create(conn)
+    names = ", ".join(f'"{c.name}"' for c in tr.columns)
+    conn.exec_driver_sql(f'INSERT INTO "{tr.name}" ({names}) SELECT {names} FROM "{old}"')
+    conn.exec_driver_sql(f'DROP TABLE "{old}"')
+
+
+def _transition_totals(conn: Connection, tables: Tables) -> None:
+    _audit_ids_never_reused(conn, tables)
+    tables.transition_totals.create(conn, checkfirst=True)
+    wm = tables.transition_watermark
+    wm.create(conn, checkfirst=True)
+    # the reaper folds the audit table's past from id 0, in bounded batches
+    if conn.execute(select(wm.c.id).where(wm.c.id == 1)).first() is None:
+        conn.execute(insert(wm).values(id=1, upto=0))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
     Migration(3, "durable pauses per queue and task name, with their audit log", _pauses),
     Migration(4, "tasks.message: the message Celery built for the task", _task_message),
+    Migration(
+        5,
+        "transition totals folded from the audit table, their watermark; SQLite: audit "
+        "ids never reused",
+        _transition_totals,
+    ),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

@@ -26,7 +26,7 @@ from sqlalchemy import (
 from ._sql import DbTime
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: The states retention deletes, written out as SQL so that a query naming them in the
 #: same words can use the partial index on ``finished_at`` whatever plan it gets.
@@ -49,6 +49,8 @@ class Tables:
     counters: Table
     pauses: Table
     pause_log: Table
+    transition_totals: Table
+    transition_watermark: Table
 
 
 def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
@@ -147,6 +149,9 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("attempt", Integer, nullable=False),
         Column("at", DbTime(), nullable=False),
         Index(f"{prefix}transitions_task", "task_id", "id"),
+        # SQLite: ids never reused, even after the highest row is deleted (the
+        # transition totals' watermark relies on every new row getting a higher id)
+        sqlite_autoincrement=True,
     )
     steps = Table(
         f"{prefix}steps",
@@ -226,6 +231,36 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("at", DbTime(), nullable=False),
         Index(f"{prefix}pause_log_target", "kind", "target", "id"),
     )
+    # the audit table's transitions counted: the reaper folds settled audit rows in
+    # bounded id ranges into these totals, so a scrape reads a handful of rows plus the
+    # audit rows above the watermark (a task's creation has from_state '')
+    transition_totals = Table(
+        f"{prefix}transition_totals",
+        md,
+        Column("from_state", String(16), primary_key=True),
+        Column("to_state", String(16), primary_key=True),
+        Column("total", BigInteger().with_variant(Integer, "sqlite"), nullable=False),
+    )
+    # one row (id 1): every audit row with an id up to ``upto`` is in the totals, and
+    # none above it (except those deleted, which were added when they were deleted)
+    transition_watermark = Table(
+        f"{prefix}transition_watermark",
+        md,
+        Column("id", Integer, primary_key=True, autoincrement=False),
+        Column("upto", BigInteger().with_variant(Integer, "sqlite"), nullable=False),
+        Column("folded_at", DbTime()),
+    )
     return Tables(
-        md, tasks, transitions, steps, workers, locks, version, counters, pauses, pause_log
+        md,
+        tasks,
+        transitions,
+        steps,
+        workers,
+        locks,
+        version,
+        counters,
+        pauses,
+        pause_log,
+        transition_totals,
+        transition_watermark,
     )

@@ -150,7 +150,13 @@ def test_a_database_migrated_by_0001_at_version_1_is_upgraded_by_0002(
     try:
         with store.engine.begin() as conn:  # back to version 1
             next(i for i in t.tasks.indexes if i.name.endswith("_finished")).drop(conn)
-            for table in (t.counters, t.pauses, t.pause_log):
+            for table in (
+                t.counters,
+                t.pauses,
+                t.pause_log,
+                t.transition_totals,
+                t.transition_watermark,
+            ):
                 table.drop(conn)
             conn.execute(t.version.delete().where(t.version.c.version > 1))
         assert store.schema_version() == 1

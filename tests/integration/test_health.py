@@ -108,7 +108,7 @@ def scrape(ops: Ops, window: float = 3600) -> dict[tuple[str, tuple[tuple[str, s
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    body = generate_latest(registry(ops.app, ops.store, settle=0, window=window)).decode()
+    body = generate_latest(registry(ops.app, ops.store, window=window)).decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(body)

@@ -110,6 +110,8 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
             "counters",
             "pauses",
             "pause_log",
+            "transition_totals",
+            "transition_watermark",
         )
     }
     assert migrated == expected
@@ -130,6 +132,8 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         t.counters.drop(conn)
         t.pauses.drop(conn)
         t.pause_log.drop(conn)
+        t.transition_totals.drop(conn)
+        t.transition_watermark.drop(conn)
         conn.exec_driver_sql(
             f"ALTER TABLE {store.engine.dialect.identifier_preparer.format_table(t.tasks)} "
             "DROP COLUMN message"
@@ -153,7 +157,9 @@ def test_a_version_3_database_gains_the_message_column_and_keeps_its_rows(make_s
     table = store.engine.dialect.identifier_preparer.format_table(t)
     with store.engine.begin() as conn:  # the database as schema version 3 left it
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN message")
-        conn.execute(version.delete().where(version.c.version == 4))
+        store.t.transition_totals.drop(conn)
+        store.t.transition_watermark.drop(conn)
+        conn.execute(version.delete().where(version.c.version >= 4))
     assert store.schema_version() == 3
 
     assert store.migrate() == (3, SCHEMA_VERSION)
@@ -172,6 +178,69 @@ def test_a_version_3_database_gains_the_message_column_and_keeps_its_rows(make_s
         )
     )
     assert store.get("new").message == '{"v": 1}'
+
+
+def test_a_version_4_database_gains_the_transition_totals_and_keeps_its_audit_trail(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    ids = [
+        store.submit(
+            NewTask(
+                id=f"old-{i}",
+                name="t",
+                args="[]",
+                kwargs="{}",
+                options=None,
+                lease_ttl=30,
+                max_recoveries=5,
+            )
+        )[0]
+        for i in range(3)
+    ]
+    t = store.t
+    tr = t.transitions
+    with store.engine.begin() as conn:  # the database as schema version 4 left it
+        t.transition_totals.drop(conn)
+        t.transition_watermark.drop(conn)
+        conn.execute(t.version.delete().where(t.version.c.version == 5))
+        if not store.is_pg:  # a rowid audit table, without AUTOINCREMENT
+            ddl = conn.exec_driver_sql(
+                "SELECT sql FROM sqlite_master WHERE name = ?", (tr.name,)
+            ).scalar_one()
+            conn.exec_driver_sql(f"ALTER TABLE {tr.name} RENAME TO v4_audit")
+            for index in tr.indexes:
+                conn.exec_driver_sql(f"DROP INDEX {index.name}")
+            conn.exec_driver_sql(ddl.replace(" AUTOINCREMENT", ""))
+            conn.exec_driver_sql(f"INSERT INTO {tr.name} SELECT * FROM v4_audit")
+            conn.exec_driver_sql("DROP TABLE v4_audit")
+            for index in tr.indexes:
+                index.create(conn)
+            assert (
+                "AUTOINCREMENT"
+                not in conn.exec_driver_sql(
+                    "SELECT sql FROM sqlite_master WHERE name = ?", (tr.name,)
+                ).scalar_one()
+            )
+    assert store.schema_version() == 4
+
+    assert store.migrate() == (4, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert [len(store.history(i)) for i in ids] == [1, 1, 1]
+    with store.engine.begin() as conn:  # the newest task gone, and its audit row, the
+        top = conn.execute(select(func.max(tr.c.id))).scalar_one()  # highest id
+        conn.execute(tr.delete().where(tr.c.id == top))
+        conn.execute(t.tasks.delete().where(t.tasks.c.id == ids[-1]))
+    store.submit(
+        NewTask(
+            id="new", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+        )
+    )
+    with store.engine.connect() as conn:
+        assert conn.execute(select(func.max(tr.c.id))).scalar_one() > top
+    # the reaper folds the trail that was there before the upgrade, and the new row
+    assert store.fold_transitions(settle=0).rows == 3
+    assert store.transition_totals(tail=0).counts == {(None, "PENDING"): 3}
 
 
 def test_migrate_is_idempotent(make_store):

@@ -49,6 +49,9 @@ DEFAULTS = {
     "db_startup_timeout": 60.0,
     "retention": 7 * 86400.0,
     "retention_batch_size": 1000,
+    "totals_batch_size": 50_000,
+    "totals_settle": 60.0,
+    "metrics_tail_rows": 200_000,
     "send_events": True,
     "result_backend_sync": True,
     "outcome_write_through": False,
@@ -63,6 +66,18 @@ def test_defaults():
     resolved = {**DEFAULTS, "database_url": resolve_database_url(DEFAULTS["database_url"])}
     assert resolved["database_url"] == f"sqlite:///{os.path.abspath('celery-lease.sqlite3')}"
     assert dataclasses.asdict(LeaseConfig()) == resolved
+
+
+def test_transition_totals_settings_are_validated():
+    conf = from_mapping({"lease_totals_settle": 0, "lease_metrics_tail_rows": 0})
+    assert (conf.totals_settle, conf.metrics_tail_rows) == (0.0, 0)
+    for key, bad in (
+        ("lease_totals_batch_size", 0),
+        ("lease_totals_settle", -1),
+        ("lease_metrics_tail_rows", -1),
+    ):
+        with pytest.raises(ConfigurationError, match=key):
+            from_mapping({key: bad})
 
 
 def test_outcome_settings_are_validated():
