@@ -298,11 +298,9 @@ def outcome(
     error: str | None = None,
 ) -> bool:
     """Write the outcome once, fenced; ``False`` when the lease was lost meanwhile."""
-    if execution.finished:
+    rt = _finishing(task, execution)
+    if rt is None or rt.incarnation is None:
         return False
-    execution.finished = True
-    rt = runtime(task.app)
-    assert rt.incarnation is not None
     written = Outcome(execution.lease, to, reason, result, error)
     if hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, written):
         return True  # written by the worker's outcome writer, with others
@@ -337,11 +335,9 @@ def retry_outcome(
     requeued: bool = False,
 ) -> bool:
     """RUNNING -> RETRY_WAIT -> PENDING once, fenced, due in ``delay`` seconds."""
-    if execution.finished:
+    rt = _finishing(task, execution)
+    if rt is None or rt.incarnation is None:
         return False
-    execution.finished = True
-    rt = runtime(task.app)
-    assert rt.incarnation is not None
     return rt.store.schedule_retry(
         execution.lease,
         delay,
@@ -351,6 +347,14 @@ def retry_outcome(
         message=message,
         requeued=requeued,
     )
+
+
+def _finishing(task: LeasedTask, execution: Execution) -> Runtime | None:
+    """The runtime to write an execution's one outcome with; ``None``: it was written."""
+    if execution.finished:
+        return None
+    execution.finished = True
+    return runtime(task.app)
 
 
 def _encode_result(value: Any, limit: int) -> tuple[str | None, str]:

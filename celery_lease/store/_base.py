@@ -423,7 +423,12 @@ class StoreBase:
             .returning(t.c.id, t.c.attempt, t.c.name, t.c.state, t.c.reason)
             .cte("moved")
         )
-        audit = (
+        return select(moved).add_cte(self._audit_of(moved, frm))
+
+    def _audit_of(self, moved: CTE, frm: State) -> CTE:
+        """PostgreSQL: the audit rows of the rows a CTE ``moved`` changed from ``frm``
+        (its ``id``, ``attempt``, new ``state`` and ``reason``), as CTE ``audit``."""
+        return (
             insert(self.t.transitions)
             .from_select(
                 ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
@@ -439,7 +444,6 @@ class StoreBase:
             )
             .cte("audit")
         )
-        return select(moved).add_cte(audit)
 
     def _fenced(self, lease: Lease) -> list[ColumnElement[bool]]:
         t = self.t.tasks

@@ -25,8 +25,6 @@ from sqlalchemy import (
     bindparam,
     column,
     func,
-    insert,
-    literal,
     select,
     update,
 )
@@ -35,7 +33,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from .. import states
 from ..exceptions import IllegalTransition
 from ..states import Actor, State
-from ._base import _ACTOR, StoreBase, TransitionEvent, state_is
+from ._base import StoreBase, TransitionEvent, state_is
 from ._sql import db_now
 from ._types import Lease
 
@@ -206,20 +204,4 @@ class OutcomesMixin(StoreBase):
             .returning(t.c.id, t.c.attempt, t.c.name, t.c.state, t.c.reason)
             .cte("moved")
         )
-        audit = (
-            insert(self.t.transitions)
-            .from_select(
-                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
-                select(
-                    moved.c.id,
-                    literal(State.RUNNING.value, String),
-                    moved.c.state,
-                    moved.c.reason,
-                    _ACTOR,
-                    moved.c.attempt,
-                    db_now(),
-                ),
-            )
-            .cte("audit")
-        )
-        return select(moved).add_cte(audit)
+        return select(moved).add_cte(self._audit_of(moved, State.RUNNING))

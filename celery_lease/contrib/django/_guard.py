@@ -188,7 +188,19 @@ def guard(model_admin: admin.ModelAdmin, view: Callable[..., Any]) -> Callable[.
 
 
 class GuardedAdmin(admin.ModelAdmin):
-    """A model admin of the lease tables whose pages end within ``lease_db_timeout``."""
+    """A model admin of the lease tables whose pages end within ``lease_db_timeout``.
+
+    Read-only as a Django form: the rows change only through the operator API (the
+    actions and pages that call ``celery_lease.admin(app)``)."""
+
+    def has_add_permission(self, request: Any) -> bool:
+        return False
+
+    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
 
     def changelist_view(self, request: Any, extra_context: dict[str, Any] | None = None) -> Any:
         return guarded(request, self, super().changelist_view, extra_context)

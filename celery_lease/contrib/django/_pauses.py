@@ -86,15 +86,6 @@ class PauseAdmin(GuardedAdmin):
     """The pauses page (see the module docstring); nothing here is a Django form over
     the table: rows change only through the operator API."""
 
-    def has_add_permission(self, request: Any) -> bool:
-        return False
-
-    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
     def may(self, request: Any, action: str) -> bool:
         return bool(request.user.has_perm(PAUSE_ACTIONS[action].permission))
 
@@ -198,12 +189,3 @@ class PauseEventAdmin(GuardedAdmin):
     @display(description="reason")
     def reason_shown(self, obj: PauseEvent) -> str:
         return str(obj.reason)
-
-    def has_add_permission(self, request: Any) -> bool:
-        return False
-
-    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
-        return False

@@ -185,15 +185,6 @@ class TaskAdmin(GuardedAdmin):
 
     # -- permissions: rows change only through the operator API -----------------------
 
-    def has_add_permission(self, request: Any) -> bool:
-        return False
-
-    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
     def has_lease_permission(self, request: Any, spec: LeaseAction) -> bool:
         return bool(request.user.has_perm(spec.permission))
 
@@ -443,15 +434,6 @@ class WorkerAdmin(GuardedAdmin):
         "stopped_at",
         "stop_reason",
     )
-
-    def has_add_permission(self, request: Any) -> bool:
-        return False
-
-    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
 
     def get_list_display(self, request: Any) -> Sequence[Any]:
         # liveness is judged by the store, in database time, once per page
