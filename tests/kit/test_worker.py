@@ -91,9 +91,14 @@ def test_kill_the_whole_worker_then_restart_it_under_the_same_node_name(
     assert_check_clean(lease_worker.store)
 
 
+@pytest.mark.postgres
 def test_freeze_stops_every_process_and_thaw_resumes(
     lease_worker: LeaseWorker, lease_effects: SideEffects
 ):
+    # PostgreSQL: SIGSTOP may catch the worker inside a store transaction (a heartbeat,
+    # a sweep). On SQLite that transaction holds the database file's write lock, and
+    # the submission below would wait for it until lease_db_timeout; on PostgreSQL it
+    # holds only the worker's own rows.
     lease_worker.freeze()
     assert {pid_state(p) for p in lease_worker.group()} == {"T"}
     result = pay.delay(4)
