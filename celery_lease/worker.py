@@ -19,6 +19,7 @@ from typing import Any
 
 from celery import Celery, bootsteps, signals
 from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
+from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
@@ -38,6 +39,14 @@ logger = logging.getLogger("celery_lease.worker")
 _services: weakref.WeakKeyDictionary[Celery, WorkerService] = weakref.WeakKeyDictionary()
 #: Serializes a service started on first use in an in-process worker (its threads).
 _start_lock = threading.Lock()
+
+#: An event for the service thread: (kind, task id, reason, tries so far).
+Event = tuple[str, str, str, int]
+#: Tries of an event that fails with something other than a database error.
+_EVENT_TRIES = 3
+#: Seconds a pool child may be gone, its task unreported by the pool, before the lease
+#: is told (the pool's own check of its children runs every 5 s).
+UNREPORTED_LOSS_AFTER = 10.0
 
 
 def _pid_gone(pid: int) -> bool:
@@ -134,7 +143,8 @@ class WorkerService:
             else OutcomeWriter(rt.app, store, inc.actor, **writer_config(cfg))
         )
         self.reaper = Reaper(rt.app, actor=f"reaper:{nodename}", store=store)
-        self._events: queue.Queue[tuple[str, str, str]] = queue.Queue()
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._gone_since: dict[LeasedRequest, float] = {}
         self._stopping = threading.Event()
         self.heartbeat = Heartbeat(
             Store(renewal_config(cfg, ttl)),
@@ -173,43 +183,113 @@ class WorkerService:
 
     def child_lost(self, task_id: str, reason: str) -> None:
         """A pool child died or hit its hard time limit while running ``task_id``."""
-        self._events.put(("lost", task_id, reason))
+        self._events.put(("lost", task_id, reason, 0))
 
     def revoked(self, task_id: str, reason: str) -> None:
         """The worker discarded ``task_id`` (revoked or expired) before running it."""
-        self._events.put(("revoked", task_id, reason))
+        self._events.put(("revoked", task_id, reason, 0))
 
-    def _handle(self, events: list[tuple[str, str, str]]) -> None:
-        inc = self.incarnation
-        for kind, task_id, reason in events:
-            if kind == "lost":
-                if self.outcomes is not None:
-                    # the child may have handed its outcome over just before it died
-                    self.outcomes.flush()
-                self.store.expire(
-                    actor=inc.actor,
-                    reason=reason,
-                    task_ids=[task_id],
-                    owners=[inc.id],
-                    only_expired=False,
-                )
-                # a child lost before its claim leaves a PENDING row whose message is gone
-                _publisher.publish(self.rt.app, self.store, self.store.take_pending([task_id]))
-            elif kind == "revoked":
-                try:
-                    self.store.request_cancel(task_id, actor=inc.actor, reason=reason)
-                except Exception as error:
-                    logger.info("task %s: revoke not recorded: %s", task_id, error)
+    def _handle(self, events: list[Event]) -> None:
+        """Handle the events in order. A database error stops at the event it hit:
+        that one and the rest are kept for the next round, the ones handled before it
+        are not (handled again, a lost child's event would expire the task's next
+        execution). Any other error is logged and the event kept for a few rounds."""
+        for i, event in enumerate(events):
+            try:
+                self._handle_one(event)
+            except StoreError:
+                for kept in events[i:]:
+                    self._events.put(kept)
+                raise
+            except Exception:
+                kind, task_id, reason, tries = event
+                if tries + 1 < _EVENT_TRIES:
+                    logger.exception(
+                        "celery-lease: %s event of task %s not handled yet (trying again)",
+                        kind,
+                        task_id,
+                    )
+                    self._events.put((kind, task_id, reason, tries + 1))
+                else:
+                    logger.exception(
+                        "celery-lease: %s event of task %s not handled after %d tries: "
+                        "the reaper decides once its lease expires",
+                        kind,
+                        task_id,
+                        _EVENT_TRIES,
+                    )
         self.reaper.publish_due()
+
+    def _handle_one(self, event: Event) -> None:
+        kind, task_id, reason, _ = event
+        inc = self.incarnation
+        if kind == "lost":
+            if self.outcomes is not None:
+                # the child may have handed its outcome over just before it died
+                self.outcomes.flush()
+            self.store.expire(
+                actor=inc.actor,
+                reason=reason,
+                task_ids=[task_id],
+                owners=[inc.id],
+                only_expired=False,
+            )
+            # a child lost before its claim leaves a PENDING row whose message is gone
+            _publisher.publish(self.rt.app, self.store, self.store.take_pending([task_id]))
+        elif kind == "revoked":
+            try:
+                self.store.request_cancel(task_id, actor=inc.actor, reason=reason)
+            except Exception as error:
+                logger.info("task %s: revoke not recorded: %s", task_id, error)
+
+    def _watch_children(self) -> None:
+        """Backstop for a pool child whose death the pool never reported.
+
+        The pool reports a child that dies while it runs a task (``WorkerLostError``),
+        which expires that lease at once. Should that report never come, the task's
+        row would stay RUNNING under this worker's live heartbeat, and no TTL would
+        ever expire it. So every round, the tasks this worker accepted are checked
+        against their pool child: one whose child has been gone for
+        ``UNREPORTED_LOSS_AFTER`` seconds (well past the pool's own checks) is handed
+        to the lease as lost, once.
+        """
+        now = time.monotonic()
+        me = os.getpid()
+        gone: dict[LeasedRequest, float] = {}
+        for req in set(worker_state.active_requests):
+            if not isinstance(req, LeasedRequest) or req.task.app is not self.rt.app:
+                continue
+            pid = req.worker_pid
+            if not isinstance(pid, int) or pid == me or not _pid_gone(pid):
+                continue
+            since = gone[req] = self._gone_since.get(req, now)
+            if now - since >= UNREPORTED_LOSS_AFTER:
+                logger.error(
+                    "task %s[%s]: its pool child (pid %s) exited %.0f s ago and the pool "
+                    "did not report it; the lease decides now",
+                    req.name,
+                    req.id,
+                    pid,
+                    now - since,
+                )
+                req.lease_lost(
+                    f"pool child (pid {pid}) lost while running the task (its exit was not "
+                    "reported by the pool)"
+                )
+                del gone[req]
+        self._gone_since = gone
 
     def _loop(self) -> None:
         cfg = self.rt.config
         next_sweep = time.monotonic() + cfg.reaper_interval
         lock_ttl = max(cfg.reaper_interval * 3, 1.0)
+        watch_interval = min(cfg.reaper_interval, 1.0)
+        next_watch = time.monotonic() + watch_interval
         while not self._stopping.is_set():
-            events: list[tuple[str, str, str]] = []
+            events: list[Event] = []
             try:
-                events.append(self._events.get(timeout=max(0.0, next_sweep - time.monotonic())))
+                wake = min(next_sweep, next_watch)
+                events.append(self._events.get(timeout=max(0.0, wake - time.monotonic())))
                 while True:
                     events.append(self._events.get_nowait())
             except queue.Empty:
@@ -217,6 +297,9 @@ class WorkerService:
             try:
                 if events:
                     self._handle(events)
+                if time.monotonic() >= next_watch:
+                    next_watch = time.monotonic() + watch_interval
+                    self._watch_children()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + cfg.reaper_interval
                     if cfg.embedded_reaper and self.store.try_lock(
@@ -224,9 +307,8 @@ class WorkerService:
                     ):
                         self.reaper.sweep()
             except StoreError as error:
+                # the fast-path events not handled yet are kept until the database answers
                 logger.warning("celery-lease reaper: %s", error)
-                for event in events:  # keep fast-path events until the database answers
-                    self._events.put(event)
                 self._stopping.wait(min(1.0, cfg.reaper_interval))
             except Exception:
                 logger.exception("celery-lease reaper: unexpected error (continuing)")
@@ -426,6 +508,9 @@ def _on_task_revoked(
     service.revoked(request.id, reason)
 
 
+_lost_lock = threading.Lock()
+
+
 class LeasedRequest(Request):
     """Request seen by the worker's main process: expires the lease at once when the
     pool child running it dies or hits its hard time limit (no TTL wait).
@@ -439,20 +524,31 @@ class LeasedRequest(Request):
     def _service(self) -> WorkerService | None:
         return _services.get(self.task.app)
 
+    def lease_lost(self, reason: str) -> bool:
+        """Tell the lease, once per request, that its execution is lost (the pool's
+        report and the service's backstop may both see it): ``False`` if told before.
+        Told twice, the second expiry could hit the task's next execution."""
+        with _lost_lock:
+            if getattr(self, "_lease_told", False):
+                return False
+            self._lease_told = True
+        task_ready(self)
+        service = self._service()
+        if service is not None:
+            service.child_lost(self.id, reason)
+        return True
+
     def _lease_decides(self, reason: str, *, worker_lost: bool = False) -> None:
         """Hand a lost execution to the lease: the lease is expired at once by the main
         process, which then re-publishes the row if the policy retries it. The message
         is acknowledged, or requeued as Celery would (``reject_on_worker_lost``): a
         redelivery is dropped at claim unless the row is waiting for it."""
-        task_ready(self)
-        if self.task.acks_late:
+        if self.task.acks_late and not self.acknowledged:
             if worker_lost and self.task.reject_on_worker_lost:
                 self.reject(requeue=True)
             else:
                 self.acknowledge()
-        service = self._service()
-        if service is not None:
-            service.child_lost(self.id, reason)
+        self.lease_lost(reason)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -484,14 +580,12 @@ class LeasedRequest(Request):
                 # consumed: expire / re-publish at once, retried until the database answers
                 why = f"lease store unavailable while the task ran: {getattr(exc, 'reason', exc)}"
             if why is not None:
-                service = self._service()
                 try:
                     return super().on_failure(
                         exc_info, send_failed_event=send_failed_event, return_ok=return_ok
                     )
                 finally:
-                    if service is not None:
-                        service.child_lost(self.id, why)
+                    self.lease_lost(why)
         if lost is not None:
             return self._lease_decides(lost, worker_lost=not isinstance(exc, TimeLimitExceeded))
         return super().on_failure(

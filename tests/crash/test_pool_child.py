@@ -16,7 +16,7 @@ import pytest
 from celery_lease import State
 from celery_lease.store import Store
 
-from .support import RECOVERED, LeaseEnv, Stopwatch, released, report
+from .support import RECOVERED, TASKS, LeaseEnv, Stopwatch, released, report
 
 
 @pytest.mark.parametrize(
@@ -116,3 +116,47 @@ def test_sqlite_store_works_in_a_child_forked_during_a_transaction(
     thread.join(10)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child could not write (database is locked)"
+
+
+#: The worker's pool never reports a child lost while it runs a task (billiard's
+#: ``on_job_process_lost`` does nothing): the fault the service's backstop is for.
+SILENT_POOL = (
+    TASKS
+    + """
+
+from celery.concurrency import asynpool
+
+asynpool.AsynPool.on_job_process_lost = lambda self, job, pid, exitcode: None
+"""
+)
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_child_loss_the_pool_never_reports_is_recovered_by_the_backstop(
+    lease_env: LeaseEnv,
+) -> None:
+    """A pool child SIGKILLed while the pool never reports it: without a backstop the
+    row would stay RUNNING under the live heartbeat for ever (no TTL expires it). The
+    worker's service sees the accepted task's child gone and hands it to the lease."""
+    p = lease_env.project(source=SILENT_POOL)
+    worker = p.worker(concurrency=1)
+    ext = lease_env.external
+    gate = p.gates.hold("gate")
+    with released(p.gates, gate):
+        task_id = p.submit("t.long_lease", "k", gate)  # lease_ttl=60: only a fast path
+        p.wait_count("start:k", 1)
+        (first,) = ext.effects("start:k")
+        assert first.pid in worker.children()
+        os.kill(first.pid, signal.SIGKILL)
+        clock = Stopwatch()
+        p.gates.release(gate)
+        rec = p.wait_state(task_id, State.SUCCEEDED, timeout=40)
+        report("unreported pool child loss -> SUCCEEDED", clock.lap())
+
+    assert ext.count("start:k") == 2 and ext.count("done:k") == 1
+    assert rec.attempt == 2 and rec.recoveries == 1
+    assert p.trail(task_id) == RECOVERED
+    timeout = p.store.history(task_id)[2]
+    assert timeout.attempt == 1 and timeout.reason is not None
+    assert "not reported by the pool" in timeout.reason, timeout.reason
+    worker.wait_log(r"did not report it; the lease decides now", timeout=5)

@@ -351,6 +351,24 @@ class Parity:
             out[short] = sorted(states)
         return out
 
+    def unfinished(self, ids: dict[str, list[str]]) -> str:
+        """For a failure report: the audit trail of each leased row not SUCCEEDED, and
+        the worker's log lines that name it (what decided, or failed to decide, it)."""
+        out = []
+        log = self.worker.log_path.read_text(errors="replace") if self.worker else ""
+        for short, task_ids in sorted(ids.items()):
+            for task_id in task_ids:
+                record = self.p.store.get(task_id)
+                if record is not None and record.state is State.SUCCEEDED:
+                    continue
+                out.append(f"  {short} {task_id}:")
+                for t in self.p.store.history(task_id):
+                    was = t.from_state.value if t.from_state else "-"
+                    out.append(f"    {was}->{t.to_state.value} ({t.actor}): {t.reason}")
+                lines = [line for line in log.splitlines() if task_id in line]
+                out += [f"    | {line}" for line in lines[-20:]]
+        return "\n".join(out)
+
     def truth_problems(self, side: Side, tag: str) -> list[str]:
         """Leased tasks of the scenario whose row and what callers see disagree: Flower
         shows another state than the row's; a ``task-failed`` event or a FAILURE in the
@@ -551,6 +569,9 @@ def check_all(
         rows = "\n".join(
             f"  {s.name}: {parity.rows(parity.sides['l'], _ids(parity, s))}" for s in scenarios
         )
+        unfinished = "\n".join(parity.unfinished(_ids(parity, s)) for s in scenarios).strip("\n")
+        if unfinished:
+            rows += f"\nleased rows not SUCCEEDED (trail, log lines):\n{unfinished}"
         failures.append(f"leased rows of these scenarios:\n{rows}{parity.p.stacks()}")
     return failures
 
