@@ -546,17 +546,26 @@ def run(ctx: Context) -> Section:
             main = [PLAIN, LEASED_PG, LEASED_SQLITE]
             for broker in brokers:
                 for pool in pools:
-                    if ctx.quick and (broker, pool) == ("rabbitmq", "threads"):
-                        continue  # the smoke run covers each code path once
                     rounds = rounds_n if broker == "redis" else ctx.scale(2, 1)
                     variants = [*main, LEASED_PG_WT] if broker == "redis" else main
+                    if ctx.quick:
+                        # the smoke run covers each code path once: every variant on
+                        # Redis with prefork, then the leased ones on the other pool and
+                        # broker
+                        if (broker, pool) == ("rabbitmq", "threads"):
+                            continue
+                        if (broker, pool) == ("redis", "threads"):
+                            variants = [LEASED_PG, LEASED_PG_WT]
+                        elif broker == "rabbitmq":
+                            variants = [LEASED_PG]
                     groups.append(("noop", broker, pool, "noop", n_noop, rounds, variants))
             for broker in brokers:
                 for pool in pools:
                     if ctx.quick and (broker, pool) != ("redis", "prefork"):
                         continue
                     rounds = ctx.scale(2, 1)
-                    groups.append(("sleep", broker, pool, "sleep", n_sleep[pool], rounds, main))
+                    variants = [LEASED_PG] if ctx.quick else main
+                    groups.append(("sleep", broker, pool, "sleep", n_sleep[pool], rounds, variants))
             for label, broker, pool, kind, n, rounds, variants in groups:
                 for r in range(rounds):
                     order = variants[r % len(variants) :] + variants[: r % len(variants)]
