@@ -50,11 +50,79 @@ from .helpers import (
     lease_settings,
 )
 
+# -- running in parallel (pytest-xdist) ----------------------------------------------------
+
+#: This process's xdist worker ("gw0", "gw1", ...; "" when tests run in one process).
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+XDIST_INDEX = int(XDIST_WORKER[2:]) if XDIST_WORKER.startswith("gw") else 0
+#: Redis databases of each xdist worker: (the tests' broker and results, the Django
+#: project's broker). Every test flushes its database, so no two workers share one.
+_REDIS_DBS = ((9, 14), (11, 12), (13, 10))
+
+
+def _worker_redis_url(variable: str, default_db: int, which: int) -> str:
+    """The Redis URL of ``variable`` (default: db ``default_db``), moved to this xdist
+    worker's own database, and exported so that workers and subprocesses use it too."""
+    from sqlalchemy.engine import make_url
+
+    url = os.environ.get(variable, f"redis://127.0.0.1:6379/{default_db}")
+    if XDIST_WORKER:
+        if XDIST_INDEX not in range(len(_REDIS_DBS)):
+            raise pytest.UsageError(
+                f"at most {len(_REDIS_DBS)} xdist workers (each has Redis databases of its own)"
+            )
+        base = make_url(url).database or str(default_db)
+        db = int(base) + _REDIS_DBS[XDIST_INDEX][which] - _REDIS_DBS[0][which]
+        url = make_url(url).set(database=str(db)).render_as_string(hide_password=False)
+        os.environ[variable] = url
+    return url
+
+
 PG_ADMIN_URL = os.environ.get(
     "CELERY_LEASE_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
-REDIS_URL = os.environ.get("CELERY_LEASE_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+REDIS_URL = _worker_redis_url("CELERY_LEASE_TEST_REDIS_URL", 9, 0)
+_worker_redis_url("CELERY_LEASE_TEST_DJANGO_BROKER_URL", 14, 1)
+if XDIST_WORKER:
+    # Django's test database (created and dropped by its runner): one per xdist worker
+    os.environ.setdefault("CELERY_LEASE_DJANGO_TEST_DB", f"test_celery_lease_django_{XDIST_WORKER}")
 AMQP_URL = os.environ.get("CELERY_LEASE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+if XDIST_INDEX > 0:
+    # a RabbitMQ virtual host per further xdist worker: workers of two tests may share a
+    # node name (w1@lease-test), and remote control and events fan out over a vhost
+    AMQP_URL = os.environ["CELERY_LEASE_TEST_AMQP_URL"] = (
+        AMQP_URL.rsplit("/", 1)[0] + f"/lease-test-{XDIST_WORKER}"
+    )
+_vhost_ready: list[str] = []
+
+
+def _ensure_vhost(url: str) -> None:
+    """Create the virtual host of ``url`` (and grant its user) with ``rabbitmqctl``,
+    once per process; "/" always exists."""
+    import shutil
+    import subprocess
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(url)
+    vhost = unquote(parts.path[1:]) or "/"
+    if vhost == "/" or url in _vhost_ready:
+        return
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        pytest.fail(
+            f"xdist worker {XDIST_WORKER} needs the RabbitMQ virtual host {vhost!r} and there "
+            "is no rabbitmqctl to create it: create it, or run the tests with -n 0",
+            pytrace=False,
+        )
+    for argv in (
+        [ctl, "-q", "add_vhost", vhost],
+        [ctl, "-q", "set_permissions", "-p", vhost, parts.username or "guest", ".*", ".*", ".*"],
+    ):
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        if proc.returncode != 0 and "already_exists" not in proc.stderr + proc.stdout:
+            pytest.fail(f"{' '.join(argv)} failed: {proc.stderr.strip()}", pytrace=False)
+    _vhost_ready.append(url)
+
 
 #: Short timings for every test store (override per test through ``lease_config``).
 TEST_TIMINGS: dict[str, Any] = {
@@ -120,6 +188,8 @@ def _untracked_files() -> set[str] | None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if XDIST_WORKER:
+        return  # the controlling process checks the whole run
     before = _untracked_files()
     if before is not None:
         session.stash[_LEFT_BEHIND] = before
@@ -171,8 +241,58 @@ class Harness:
 _HARNESS = pytest.StashKey[Harness]()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "exclusive_services" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.exclusive)
+
+
+#: Non-empty while this process holds its turn (a nested request is a no-op).
+_turn_held: list[bool] = []
+
+
+@contextlib.contextmanager
+def turn(exclusive: bool) -> Iterator[None]:
+    """A readers-writer lock over the xdist workers of one run: a test holds it shared,
+    an ``exclusive`` test alone. An exclusive test takes the gate first and keeps it
+    while it waits for the running tests to end, so no new test starts meanwhile."""
+    import fcntl
+    import tempfile
+
+    if not XDIST_WORKER or _turn_held:
+        yield  # one process, or this process has its turn already
+        return
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "solo")
+    folder = Path(tempfile.gettempdir()) / f"celery-lease-tests-{run}"
+    folder.mkdir(exist_ok=True)
+    with open(folder / "gate", "a") as gate, open(folder / "lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        _turn_held.append(exclusive)
+        try:
+            yield
+        finally:
+            _turn_held.clear()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
 @pytest.fixture(autouse=True)
-def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+def parallel_turn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``exclusive`` (it restarts a shared service)
+    runs while no other worker runs a test; the others run side by side. Held around
+    everything the test starts (``harness`` depends on it)."""
+    with turn(request.node.get_closest_marker("exclusive") is not None):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def harness(request: pytest.FixtureRequest, parallel_turn: None) -> Iterator[Harness]:
     h = Harness()
     request.node.stash[_HARNESS] = h
     yield h
@@ -241,12 +361,13 @@ def pg_url() -> Iterator[str]:
     name = f"{_SESSION_DB_PREFIX}{os.getpid()}"
     ident = sql.Identifier(name)
     try:
-        _drop_stale_session_databases()
-        pg_execute(
-            PG_ADMIN_URL,
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident),
-            sql.SQL("CREATE DATABASE {}").format(ident),
-        )
+        with turn(exclusive=False):  # never while another xdist worker restarts a service
+            _drop_stale_session_databases()
+            pg_execute(
+                PG_ADMIN_URL,
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident),
+                sql.SQL("CREATE DATABASE {}").format(ident),
+            )
     except psycopg.OperationalError as exc:
         pytest.fail(
             f"PostgreSQL is not reachable at {make_url(PG_ADMIN_URL).render_as_string()}: {exc}\n"
@@ -254,7 +375,8 @@ def pg_url() -> Iterator[str]:
             pytrace=False,
         )
     yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    pg_execute(PG_ADMIN_URL, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+    with turn(exclusive=False):
+        pg_execute(PG_ADMIN_URL, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
 
 
 def drop_pg_schema(url: str, schema: str) -> None:
@@ -406,6 +528,7 @@ def amqp_url(queue_name: str, harness: Harness) -> str:
     def connect() -> Any:
         return Connection(AMQP_URL, connect_timeout=5)
 
+    _ensure_vhost(AMQP_URL)
     try:
         with connect() as conn:
             conn.ensure_connection(max_retries=1)

@@ -23,6 +23,7 @@ from .support import LeaseEnv, pg_only
 
 @pg_only()
 @pytest.mark.slow
+@pytest.mark.exclusive  # may restart Redis: no other xdist worker's test runs meanwhile
 @pytest.mark.timeout(420)
 def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
     lease_env: LeaseEnv, redis_url: str

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from ..conftest import turn
+
 SETTINGS_MODULE = "tests.django.proj.settings"
 
 # the lease store must follow Django's test database, not a URL meant for other tests
@@ -59,7 +61,8 @@ def django_project() -> Iterator[Any]:
         del os.environ["DJANGO_SETTINGS_MODULE"]
     setup_test_environment()
     try:
-        old = setup_databases(verbosity=0, interactive=False, keepdb=False)
+        with turn(exclusive=False):  # never while another xdist worker restarts a service
+            old = setup_databases(verbosity=0, interactive=False, keepdb=False)
     except Exception as exc:
         teardown_test_environment()
         pytest.fail(f"cannot create the Django test database: {exc}", pytrace=False)
@@ -79,7 +82,8 @@ def django_project() -> Iterator[Any]:
             notify.flush(store, 10)
         close_connections()
         _close_other_sessions()
-        teardown_databases(old, verbosity=0)
+        with turn(exclusive=False):
+            teardown_databases(old, verbosity=0)
         teardown_test_environment()
         if saved_url is not None:
             os.environ[_ENV_URL] = saved_url
@@ -118,8 +122,12 @@ def _close_other_sessions() -> None:
 @pytest.fixture
 def db(django_project: Any) -> Iterator[None]:
     """Django's connection in a transaction rolled back after the test."""
-    from django.db import transaction
+    from django.db import connection, transaction
 
+    if connection.connection is not None and not connection.is_usable():
+        # the server restarted since the last test (an exclusive test of another xdist
+        # worker): Django reconnects on first use
+        connection.close()
     atomic = transaction.atomic()
     atomic.__enter__()
     try:
