@@ -6,17 +6,38 @@ once, without waiting for the TTL: the tasks here have ``lease_ttl=60``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from celery_lease import State
 from celery_lease.store import Store
 
-from .support import RECOVERED, TASKS, LeaseEnv, Stopwatch, released, report
+from ..helpers import ExternalSystem, WorkerProcess
+from .support import RECOVERED, TASKS, LeasedProject, LeaseEnv, Stopwatch, released, report
+
+
+@contextlib.contextmanager
+def child_killed(
+    p: LeasedProject, worker: WorkerProcess, ext: ExternalSystem
+) -> Iterator[tuple[str, Stopwatch]]:
+    """Submit ``t.long_lease`` (``lease_ttl=60``: only a fast path recovers it), SIGKILL
+    the pool child running it at its gate, release the gate; yields the task id and a
+    stopwatch started at the kill."""
+    gate = p.gates.hold("gate")
+    with released(p.gates, gate):
+        task_id = p.submit("t.long_lease", "k", gate)
+        p.wait_count("start:k", 1)
+        (first,) = ext.effects("start:k")
+        assert first.pid in worker.children()
+        os.kill(first.pid, signal.SIGKILL)
+        clock = Stopwatch()
+        p.gates.release(gate)
+        yield task_id, clock
 
 
 @pytest.mark.parametrize(
@@ -34,16 +55,7 @@ def test_sigkill_of_a_pool_child_expires_at_once_and_reruns_once(
     worker = p.worker(concurrency=1)
     main_pid = worker.pid
     ext = lease_env.external
-    gate = p.gates.hold("gate")
-    with released(p.gates, gate):
-        task_id = p.submit("t.long_lease", "k", gate)  # lease_ttl=60: only the fast path
-        p.wait_count("start:k", 1)
-        (first,) = ext.effects("start:k")
-        assert first.pid in worker.children()
-
-        os.kill(first.pid, signal.SIGKILL)
-        clock = Stopwatch()
-        p.gates.release(gate)
+    with child_killed(p, worker, ext) as (task_id, clock):
         # Celery notices a dead child at once or at its next pool check (up to 5 s)
         worker.wait_log(r"exited with 'signal 9 \(SIGKILL\)'", timeout=20)
         noticed = clock.lap()
@@ -141,15 +153,7 @@ def test_a_child_loss_the_pool_never_reports_is_recovered_by_the_backstop(
     p = lease_env.project(source=SILENT_POOL)
     worker = p.worker(concurrency=1)
     ext = lease_env.external
-    gate = p.gates.hold("gate")
-    with released(p.gates, gate):
-        task_id = p.submit("t.long_lease", "k", gate)  # lease_ttl=60: only a fast path
-        p.wait_count("start:k", 1)
-        (first,) = ext.effects("start:k")
-        assert first.pid in worker.children()
-        os.kill(first.pid, signal.SIGKILL)
-        clock = Stopwatch()
-        p.gates.release(gate)
+    with child_killed(p, worker, ext) as (task_id, clock):
         rec = p.wait_state(task_id, State.SUCCEEDED, timeout=40)
         report("unreported pool child loss -> SUCCEEDED", clock.lap())
 
