@@ -49,6 +49,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("bulk", "bench_bulk"),
     ("operations", "bench_operations"),
     ("backlog", "bench_backlog"),
+    ("capacity", "bench_capacity"),
 ]
 
 

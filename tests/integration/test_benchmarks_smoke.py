@@ -25,6 +25,7 @@ SECTIONS = (
     "## 5. Recovery latency",
     "## 6-7. Dedup and claims under contention",
     "## 8. Bulk submission and retry latency",
+    "## 11. Capacity: 4 workers x prefork 2 on one PostgreSQL",
 )
 
 
@@ -62,6 +63,7 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
         "claims",
         "vs plain group",
         "Retry latency",
+        "WAL bytes / task",
     ):
         assert figure in proc.stdout, f"no {figure!r} figures printed"
 
@@ -78,7 +80,14 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
 
     data = json.loads((tmp_path / "img" / "bench-data.json").read_text())
     sections = data["sections"]
-    assert {"overhead", "heartbeat", "reaper", "recovery", "contention"} <= set(sections)
+    assert {"overhead", "heartbeat", "reaper", "recovery", "contention", "capacity"} <= set(
+        sections
+    )
+    # every task of the capacity backlog ran, and the store's database did work for it
+    for drained in sections["capacity"]["rounds"]:
+        assert drained["rate"] > 0
+        if drained["variant"].startswith("LeasedTask"):
+            assert drained["commits_per_task"] >= 1 and drained["wal_per_task"] > 0
     # the correctness checks the benchmarks make hold even at tiny N
     for dedup in sections["contention"]["dedup"]:
         assert dedup["rows"] == dedup["keys"] == dedup["executions"] == dedup["messages"]
