@@ -32,6 +32,7 @@ def child_killed(
     with released(p.gates, gate):
         task_id = p.submit("t.long_lease", "k", gate)
         p.wait_count("start:k", 1)
+        p.wait_state(task_id, State.RUNNING)  # the kill hits a claimed, running task
         (first,) = ext.effects("start:k")
         assert first.pid in worker.children()
         os.kill(first.pid, signal.SIGKILL)
