@@ -13,6 +13,7 @@ from ._backlog import BacklogMixin
 from ._base import StoreBase
 from ._bulk import BulkMixin
 from ._claim import ClaimMixin
+from ._claim_many import ClaimManyMixin
 from ._expiry import ExpiryMixin
 from ._health import HealthMixin
 from ._operator import OperatorMixin
@@ -34,6 +35,7 @@ class Store(
     PublishingMixin,
     ExpiryMixin,
     OutcomeMixin,
+    ClaimManyMixin,
     ClaimMixin,
     SubmitManyMixin,
     ProducerMixin,
