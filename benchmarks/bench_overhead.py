@@ -81,6 +81,8 @@ if os.environ.get("BENCH_COUNT_SQL"):
             return "background"
         if name == "celery-lease-outcomes":
             return "outcomes"  # the outcome writer: lifecycle writes, batched
+        if name == "celery-lease-claimer":
+            return "claims"  # claims made ahead: lifecycle writes, batched
         return "main"  # start-up and shutdown of the worker's main process
 
     _counter = SqlCounter(role=_role).attach()
@@ -143,6 +145,8 @@ class Variant:
     store: str | None = None
     #: ``lease_outcome_write_through``: each pool process writes its own outcomes
     write_through: bool = False
+    #: ``lease_claim_ahead``: the worker's main process claims deliveries in batches
+    claim_ahead: bool = False
 
     @property
     def label(self) -> str:
@@ -154,6 +158,10 @@ LEASED_PG = Variant("LeasedTask, PostgreSQL", True, "postgresql")
 LEASED_SQLITE = Variant("LeasedTask, SQLite", True, "sqlite")
 #: Outcomes as before the outcome writer: one commit per task in the pool process.
 LEASED_PG_WT = Variant("LeasedTask, PostgreSQL, write-through", True, "postgresql", True)
+#: Claims made ahead, in batches, by the worker's main process.
+LEASED_PG_AHEAD = Variant(
+    "LeasedTask, PostgreSQL, claims ahead", True, "postgresql", claim_ahead=True
+)
 
 
 @dataclasses.dataclass
@@ -196,6 +204,8 @@ class Env:
                 out["lease_schema"] = self.schema
             if variant.write_through:
                 out["lease_outcome_write_through"] = True
+            if variant.claim_ahead:
+                out["lease_claim_ahead"] = True
         return out
 
     def project(self, variant: Variant, broker: str) -> tuple[Project, Any]:
@@ -368,7 +378,7 @@ def count_lifecycle(env: Env, variant: Variant, n: int) -> dict[str, Any]:
     # the warm-up message is part of the n lifecycles; the outcome writer's statements
     # (worker main process) are lifecycle writes too
     for k in list(worker):
-        if k.startswith("outcomes:"):
+        if k.startswith(("outcomes:", "claims:")):
             task_key = "task:" + k.split(":", 1)[1]
             worker[task_key] = worker.get(task_key, 0.0) + worker[k]
     return {
@@ -377,6 +387,7 @@ def count_lifecycle(env: Env, variant: Variant, n: int) -> dict[str, Any]:
         "task": summarize(worker, "task", n),
         "task_ms": 1000 * worker.get("task:seconds", 0.0) / n,
         "outcomes": summarize(worker, "outcomes", n),
+        "claims": summarize(worker, "claims", n),
     }
 
 
@@ -548,6 +559,8 @@ def run(ctx: Context) -> Section:
                 for pool in pools:
                     rounds = rounds_n if broker == "redis" else ctx.scale(2, 1)
                     variants = [*main, LEASED_PG_WT] if broker == "redis" else main
+                    if pool == "prefork":
+                        variants = [*variants, LEASED_PG_AHEAD]  # claims ahead: prefork only
                     if ctx.quick:
                         # the smoke run covers each code path once: every variant on
                         # Redis with prefork, then the leased ones on the other pool and
@@ -557,7 +570,7 @@ def run(ctx: Context) -> Section:
                         if (broker, pool) == ("redis", "threads"):
                             variants = [LEASED_PG, LEASED_PG_WT]
                         elif broker == "rabbitmq":
-                            variants = [LEASED_PG]
+                            variants = [LEASED_PG, LEASED_PG_AHEAD]
                     groups.append(("noop", broker, pool, "noop", n_noop, rounds, variants))
             for broker in brokers:
                 for pool in pools:
@@ -580,7 +593,7 @@ def run(ctx: Context) -> Section:
             # 2. statements per lifecycle
             n_count = ctx.scale(300, 20)
             counts = {}
-            for variant in (LEASED_PG, LEASED_PG_WT, LEASED_SQLITE):
+            for variant in (LEASED_PG, LEASED_PG_WT, LEASED_PG_AHEAD, LEASED_SQLITE):
                 ctx.log(f"overhead: counting statements, {variant.name}")
                 counts[variant.name] = count_lifecycle(env, variant, n_count)
             wire = {"PostgreSQL": wire_lifecycle(ctx, schema, ctx.scale(200, 5))}
@@ -733,7 +746,9 @@ def report(
         "carries each earlier row's mark inside the next submit statement. The worker's "
         "side is the pool processes' claims and the outcome writer's batches (in the "
         "worker's main process); the write-through variant writes each outcome in its "
-        "pool process (`lease_outcome_write_through`).",
+        "pool process (`lease_outcome_write_through`); with claims ahead "
+        "(`lease_claim_ahead`) the worker's side also holds the main process's batched "
+        "claims.",
         "",
     )
     crow = []

@@ -18,6 +18,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import _message, _publisher
+from ._claimer import claimed_ahead
 from ._crashpoints import armed, step_crash_point
 from ._execution import Execution, StoreDownDuringTask, encode
 from ._incarnation import Incarnation
@@ -25,7 +26,16 @@ from ._outcome_writer import hand_over
 from ._runtime import Runtime, runtime
 from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
 from .states import State
-from .store import DUPLICATES_DROPPED, LeaseOptions, NewTask, Outcome, Refusal, Store, dumps
+from .store import (
+    DUPLICATES_DROPPED,
+    Claim,
+    LeaseOptions,
+    NewTask,
+    Outcome,
+    Refusal,
+    Store,
+    dumps,
+)
 
 logger = logging.getLogger("celery_lease")
 
@@ -73,6 +83,25 @@ class _Delivery:
         self.task_id: str = str(self.req.id)
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ahead = claimed_ahead(self.req, self.inc, self.task_id, self.rt.config.claim_ahead)
+        claim = ahead or self._claim(args, kwargs)
+        inc = self.inc
+        execution = Execution(
+            store=self.store,
+            claim=claim,
+            fenced=lambda: inc.flags.fenced,
+            check_interval=self.rt.config.heartbeat_interval,
+        )
+        self.req.retries = claim.retries
+        token = current.set(execution)
+        try:
+            return self._run(execution, args, kwargs)
+        finally:
+            current.reset(token)
+
+    def _claim(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Claim:
+        """This process's own claim of the delivery (the main process made none ahead);
+        raises :class:`Ignore` when the delivery is dropped without running."""
         task, req, store, inc = self.task, self.req, self.store, self.inc
         # The heartbeat lapsed for a TTL and has not been renewed since: a lease claimed
         # now would be lost at once (at the first boundary, or expired with the others
@@ -104,18 +133,7 @@ class _Delivery:
                 "task %s[%s]: delivery dropped without running (%s)", task.name, req.id, claim.why
             )
             raise Ignore()
-        execution = Execution(
-            store=store,
-            claim=claim,
-            fenced=lambda: inc.flags.fenced,
-            check_interval=self.rt.config.heartbeat_interval,
-        )
-        req.retries = claim.retries
-        token = current.set(execution)
-        try:
-            return self._run(execution, args, kwargs)
-        finally:
-            current.reset(token)
+        return claim
 
     def _held_by_pause(self) -> bool:
         """A delivery of a paused task name (or prefetched from a paused queue) is not

@@ -144,6 +144,17 @@ class LeaseConfig:
     #: Outcomes the writer holds unwritten before it stops reading more (the pool's
     #: hand-over then blocks: a slow or unreachable database holds the pool back).
     outcome_buffer: int = 1000
+    #: A prefork worker's main process claims the deliveries it takes from the broker
+    #: together in one statement, before the pool runs them (``celery_lease._claimer``).
+    claim_ahead: bool = False
+    #: Most deliveries one claim made ahead holds.
+    claim_batch_size: int = 100
+    #: Longest a delivery waits for others to share its claim (only while the pool has
+    #: claimed deliveries it has not started: no pool process waits for it).
+    claim_interval: float = 0.005
+    #: Deliveries are claimed ahead only if expected to start within this many seconds
+    #: (from the rate at which the worker starts tasks).
+    claim_ahead_window: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", resolve_database_url(self.database_url))
@@ -177,6 +188,7 @@ class LeaseConfig:
             "lease_totals_batch_size": self.totals_batch_size,
             "lease_outcome_batch_size": self.outcome_batch_size,
             "lease_outcome_buffer": self.outcome_buffer,
+            "lease_claim_batch_size": self.claim_batch_size,
         }.items():
             if ivalue < 1:
                 raise ConfigurationError(f"{key} must be at least 1, got {ivalue!r}")
@@ -194,6 +206,14 @@ class LeaseConfig:
                 "lease_outcome_flush_interval must be zero or a positive number of seconds, "
                 f"got {self.outcome_flush_interval!r}"
             )
+        for key, seconds in {
+            "lease_claim_interval": self.claim_interval,
+            "lease_claim_ahead_window": self.claim_ahead_window,
+        }.items():
+            if not seconds >= 0:
+                raise ConfigurationError(
+                    f"{key} must be zero or a positive number of seconds, got {seconds!r}"
+                )
         if self.max_recoveries < 0 or self.db_retries < 0:
             raise ConfigurationError("lease_max_recoveries and lease_db_retries must be >= 0")
         for key, ovalue in {
@@ -251,6 +271,10 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_outcome_batch_size": ("outcome_batch_size", int),
     "lease_outcome_flush_interval": ("outcome_flush_interval", float),
     "lease_outcome_buffer": ("outcome_buffer", int),
+    "lease_claim_ahead": ("claim_ahead", bool),
+    "lease_claim_batch_size": ("claim_batch_size", int),
+    "lease_claim_interval": ("claim_interval", float),
+    "lease_claim_ahead_window": ("claim_ahead_window", float),
 }
 
 SETTINGS: tuple[str, ...] = tuple(_FIELDS)

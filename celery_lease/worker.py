@@ -23,7 +23,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from . import _publisher, _stores  # noqa: F401  (registers the lease_store remote-control command)
+from . import _claimer, _publisher, _stores  # noqa: F401  (registers the lease_store remote-control command)
 from ._execution import StoreDownDuringTask
 from ._node_names import dead_predecessors, pid_gone
 from ._outcome_writer import OutcomeWriter, writer_config
@@ -75,6 +75,8 @@ class WorkerService:
             else OutcomeWriter(rt.app, store, inc.actor, **writer_config(cfg))
         )
         self.reaper = Reaper(rt.app, actor=f"reaper:{nodename}", store=store)
+        #: Claims ahead in batches (``lease_claim_ahead``), started with the worker.
+        self.claimer: _claimer.Claimer | None = None
         self._events: queue.Queue[Event] = queue.Queue()
         self._gone_since: dict[LeasedRequest, float] = {}
         self._stopping = threading.Event()
@@ -253,8 +255,10 @@ class WorkerService:
         )
 
     def shutdown(self, reason: str) -> None:
-        """Write the buffered outcomes, then mark the incarnation stopped; leases it
-        still holds expire at once."""
+        """Claim no more, write the buffered outcomes, then mark the incarnation
+        stopped; leases it still holds expire at once."""
+        if self.claimer is not None:
+            self.claimer.stop()
         if self.outcomes is not None:
             self.outcomes.close()
         self._stopping.set()
@@ -367,6 +371,8 @@ class LeaseStep(bootsteps.StartStopStep):
 
     def start(self, worker: Any) -> None:
         self.service.start()
+        inc = self.service.incarnation
+        self.service.claimer = _claimer.start_for(worker, self.service.rt, inc)
         self.watcher.start(*consumer_controls(worker))
 
     def stop(self, worker: Any) -> None:
@@ -438,6 +444,8 @@ def _on_task_revoked(
     else:
         reason = "revoked before it ran"
     service.revoked(request.id, reason)
+    if service.claimer is not None:
+        service.claimer.dropped(request, reason)  # after the cancel request: same queue
 
 
 _lost_lock = threading.Lock()
@@ -456,6 +464,12 @@ class LeasedRequest(Request):
     def _service(self) -> WorkerService | None:
         return _services.get(self.task.app)
 
+    def on_accepted(self, pid: Any, time_accepted: float) -> None:
+        claimer = _claimer.claimer_of(self.task.app)
+        if claimer is not None:
+            claimer.waiting.discard(self.id)
+        super().on_accepted(pid, time_accepted)
+
     def lease_lost(self, reason: str) -> bool:
         """Tell the lease, once per request, that its execution is lost (the pool's
         report and the service's backstop may both see it): ``False`` if told before.
@@ -464,6 +478,9 @@ class LeasedRequest(Request):
             if getattr(self, "_lease_told", False):
                 return False
             self._lease_told = True
+        claimer = _claimer.claimer_of(self.task.app)
+        if claimer is not None:
+            claimer.waiting.discard(self.id)
         task_ready(self)
         service = self._service()
         if service is not None:

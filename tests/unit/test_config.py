@@ -58,6 +58,10 @@ DEFAULTS = {
     "outcome_batch_size": 100,
     "outcome_flush_interval": 0.05,
     "outcome_buffer": 1000,
+    "claim_ahead": False,
+    "claim_batch_size": 100,
+    "claim_interval": 0.005,
+    "claim_ahead_window": 1.0,
 }
 
 
