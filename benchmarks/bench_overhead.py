@@ -179,6 +179,11 @@ class Round:
     publish_db_cpu_ms: float = float("nan")
     worker_cpu_ms: float = float("nan")
     worker_db_cpu_ms: float = float("nan")
+    #: of ``worker_cpu_ms``, the worker's main process (consumer, event loop, threads)
+    main_cpu_ms: float = float("nan")
+    #: the main process's CPU seconds per second while the tasks ran (1.0: a whole core,
+    #: the most one Python process holding the GIL gets)
+    main_busy: float = float("nan")
 
 
 class Env:
@@ -309,13 +314,13 @@ def one_round(
         first = done_count(done_dir)
         own = [worker.pid, *worker.children()]
         db_pids = pg_backends() if variant.store == "postgresql" else []
-        w0, d0 = proc_cpu(own), proc_cpu(db_pids)
+        w0, d0, m0, t_w0 = proc_cpu(own), proc_cpu(db_pids), proc_cpu([worker.pid]), time.time()
         wait_for(
             lambda: worker.check_alive() or done_count(done_dir) >= n,
             timeout,
             f"{variant.name}: {n} tasks done",
         )
-        w1, d1 = proc_cpu(own), proc_cpu(db_pids)
+        w1, d1, m1, t_w1 = proc_cpu(own), proc_cpu(db_pids), proc_cpu([worker.pid]), time.time()
         counted = max(n - first, 1)
         times = done_times(done_dir)
         span = times[-1] - times[0]
@@ -338,6 +343,8 @@ def one_round(
         publish_db,
         (w1 - w0) * 1000 / counted,
         (d1 - d0) * 1000 / counted if db_pids else float("nan"),
+        (m1 - m0) * 1000 / counted,
+        (m1 - m0) / (t_w1 - t_w0) if t_w1 > t_w0 else float("nan"),
     )
 
 
@@ -705,7 +712,11 @@ def report(
         pub = median([r.publish_cpu_ms for r in rs])
         pdb = median([r.publish_db_cpu_ms for r in rs])
         per_task = sum(x for x in (wk, wdb, pub, pdb) if x == x)
-        cpu_rows.append((broker, pool, variant, pub, pdb, wk, wdb, per_task, 2000.0 / per_task))
+        main_ms = median([r.main_cpu_ms for r in rs])
+        busy = median([r.main_busy for r in rs])
+        cpu_rows.append(
+            (broker, pool, variant, pub, pdb, wk, main_ms, busy, wdb, per_task, 2000.0 / per_task)
+        )
     section.add(
         "### CPU per task: what bounds the no-op rates on this machine",
         "",
@@ -714,7 +725,10 @@ def report(
         "its last, and the PostgreSQL server processes serving the benchmark's "
         "connections (found by `application_name`). The broker's own CPU is not counted. "
         "On 2 cores shared by all of them, 2000 / (total ms) is the most tasks per "
-        "second the machine could run end to end.",
+        'second the machine could run end to end. "of which main" is the worker\'s main '
+        "process (Celery's consumer and event loop, and celery-lease's threads there); "
+        '"main busy" is its CPU seconds per second while the tasks ran: near 1.0 it '
+        "holds a whole core, the most one Python process gets, and is the bound.",
         "",
         *table(
             [
@@ -724,6 +738,8 @@ def report(
                 "producer",
                 "PostgreSQL (publish)",
                 "worker",
+                "of which main",
+                "main busy",
                 "PostgreSQL (execute)",
                 "total ms / task",
                 "2-core bound /s",

@@ -68,6 +68,9 @@ _Call = tuple[Any, Any, Any, Any, dict[str, Any]]
 #: claimer checks that Celery still holds the delivery.
 _STRANDED_AFTER = 5.0
 
+#: Seconds over which the rate of starts is measured.
+_RATE_SPAN = 2.0
+
 #: The claimer of each app's worker main process.
 _claimers: weakref.WeakKeyDictionary[Celery, Claimer] = weakref.WeakKeyDictionary()
 
@@ -108,8 +111,9 @@ class Claimer:
         self._entries: dict[str, _Entry] = {}
         #: What the hub's thread does next: hand a job to the pool, give a claim back.
         self._hub_work: collections.deque[tuple[_Entry, str | None]] = collections.deque()
-        #: When deliveries were last handed to the pool (the start rate).
-        self._starts: collections.deque[float] = collections.deque(maxlen=4096)
+        #: When deliveries were handed to the pool in the last ``_RATE_SPAN`` seconds.
+        self._starts: collections.deque[float] = collections.deque()
+        self._checked_at = 0.0
         #: Ids of requests handed to the pool with a claim, not started by it yet.
         self.waiting: set[str] = set()
         self.closed = False
@@ -244,15 +248,18 @@ class Claimer:
                 time.sleep(self.interval)  # let the deliveries arriving together gather
             try:
                 self._claim_batch()
-                self._give_back_stranded()
+                if time.monotonic() - self._checked_at >= 1.0:
+                    self._checked_at = time.monotonic()
+                    self._give_back_stranded()
             except Exception:
                 logger.exception("celery-lease: claims ahead failed; pool processes claim")
 
     def _start_rate(self) -> float:
         """Deliveries this worker handed to its pool per second, lately."""
-        now = time.monotonic()
-        recent = [t for t in list(self._starts) if now - t <= 2.0]
-        return len(recent) / 2.0
+        starts, since = self._starts, time.monotonic() - _RATE_SPAN
+        while starts and starts[0] < since:
+            starts.popleft()
+        return len(starts) / _RATE_SPAN
 
     def _claim_batch(self) -> None:
         rt, inc = self.rt, self.inc

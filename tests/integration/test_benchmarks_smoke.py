@@ -99,5 +99,38 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
     counts = sections["overhead"]["counts"]
     assert counts["LeasedTask, PostgreSQL"]["outcomes"]["statements"] > 0
     assert counts["LeasedTask, PostgreSQL, write-through"]["outcomes"]["statements"] == 0
+    # claims made ahead ran in the worker's main process (its claimer's statements
+    # counted); by default the pool processes claim, and the claimer makes none
+    assert counts["LeasedTask, PostgreSQL, claims ahead"]["claims"]["statements"] > 0
+    assert counts["LeasedTask, PostgreSQL"]["claims"]["statements"] == 0
     rounds = {(r["variant"], r["pool"]) for r in sections["overhead"]["rounds"]}
     assert {("LeasedTask, PostgreSQL, write-through", p) for p in ("prefork", "threads")} <= rounds
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(600)
+def test_the_main_process_benchmark_prints_its_table(pg_url: str, redis_url: str) -> None:
+    env = dict(os.environ)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    env.pop("PYTHONWARNINGS", None)
+    env["CELERY_LEASE_BENCH_PG_URL"] = pg_url
+    env["CELERY_LEASE_BENCH_REDIS_URL"] = redis_url
+    proc = subprocess.run(
+        [sys.executable, "bench_main_process.py", "--quick"],
+        cwd=REPO_ROOT / "benchmarks",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| variant | execute /s | vs plain |")
+    assert [r.split(" | ")[0] for r in rows[2:]] == [
+        "| plain Celery",
+        "| LeasedTask, PostgreSQL",
+        "| LeasedTask, PostgreSQL, claims ahead",
+    ]
