@@ -189,19 +189,21 @@ class Claimer:
 
         return with_claims
 
-    def dropped(self, request: Any, why: str) -> None:
-        """Celery dropped ``request`` before it ran (revoked, expired): a claim made
-        ahead for it goes back to the lease (expired, then retried or cancelled)."""
+    def dropped(self, task_id: str, why: str) -> None:
+        """Celery dropped the delivery of ``task_id`` before it ran (revoked, expired:
+        its ``task_revoked`` signal names the request's context, not the request): a
+        claim made ahead for it goes back to the lease (expired, then retried or
+        cancelled)."""
         with self._lock:
-            entry = self._entries.get(request.id)
-            if entry is None or entry.request is not request:
+            entry = self._entries.get(task_id)
+            if entry is None:
                 return
             if entry.status == ASKING:
                 entry.dropped = why  # given back when the claim is made
                 return
-            del self._entries[request.id]
+            del self._entries[task_id]
         if entry.claim is not None:
-            request.lease_lost(why)
+            entry.request.lease_lost(why)
 
     def _on_hub_work(self, *_: Any) -> None:
         with contextlib.suppress(OSError):

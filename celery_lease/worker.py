@@ -445,7 +445,7 @@ def _on_task_revoked(
         reason = "revoked before it ran"
     service.revoked(request.id, reason)
     if service.claimer is not None:
-        service.claimer.dropped(request, reason)  # after the cancel request: same queue
+        service.claimer.dropped(request.id, reason)  # after the cancel request: same queue
 
 
 _lost_lock = threading.Lock()
