@@ -3,11 +3,10 @@
 Without it, each pool process claims its delivery itself as it starts: one
 statement per task on the task's critical path. With it, a prefork worker's main
 process claims the deliveries it has reserved (prefetched) and will start next, many
-in one statement
-(:meth:`~celery_lease.store.Store.claim_many`), on a thread of its own. When Celery
-hands such a delivery to a free pool process, the claim travels in the request and
-the pool process runs the task under it at once. The claim still comes before any of
-the task's code runs.
+in one statement (:meth:`~celery_lease.store.Store.claim_many`), on a thread of its
+own. When Celery hands such a delivery to a free pool process, the claim travels in
+the request and the pool process runs the task under it at once. The claim still
+comes before any of the task's code runs.
 
 Celery hands a delivery to the pool only when a pool process is free; the ones it
 reserved beyond that wait in the worker. A row claimed ahead is RUNNING from its
@@ -15,17 +14,18 @@ claim, while its delivery waits for a pool process. So only the deliveries that
 start next are claimed ahead: one round of them (as many as there are pool
 processes, which take them as the running tasks end), and beyond that as many as
 this worker starts within ``lease_claim_ahead_window`` seconds at its recent rate.
-And only tasks for which that wait changes nothing are:
+What that wait changes:
 
-- not a task with ``max_runtime`` (the wait would count against its limit), nor one
+- tasks with ``max_runtime`` (the wait would count against their limit) and tasks
   whose ``on_timeout`` is ``'manual'`` (a lost worker would hand a person a run that
-  never began); their pool processes claim them;
+  never began) are never claimed ahead: their pool processes claim them;
 - a worker lost with deliveries claimed ahead expires them with its other leases and
   retries them, counting a recovery and an attempt although none of their code ran
   (crash-matrix row 9 with deliveries claimed ahead, in the crash suite);
-- a delivery claimed ahead that Celery drops before it runs (revoked, expired, its
-  reservation cleared by a lost broker connection) gives its claim back to the
-  lease at once: its row is expired and retried, or cancelled.
+- a delivery claimed ahead that Celery drops before it runs gives its claim back to
+  the lease: at once when it is revoked or expired, within ``_STRANDED_AFTER``
+  seconds when a lost broker connection cleared the worker's reservations; its row is
+  expired, then cancelled or retried.
 
 What is not claimed ahead goes to its pool process unclaimed, which claims it as it
 always did: a delivery outside the window, one the batch did not claim (no row yet,
