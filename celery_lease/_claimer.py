@@ -114,8 +114,6 @@ class Claimer:
         #: When deliveries were handed to the pool in the last ``_RATE_SPAN`` seconds.
         self._starts: collections.deque[float] = collections.deque()
         self._checked_at = 0.0
-        #: Ids of requests handed to the pool with a claim, not started by it yet.
-        self.waiting: set[str] = set()
         self.closed = False
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
@@ -184,7 +182,6 @@ class Claimer:
             self._starts.append(time.monotonic())
             if entry is not None and entry.claim is not None and isinstance(request_dict, dict):
                 request_dict[CLAIM_KEY] = header(entry.claim, self.inc)
-                self.waiting.add(entry.request.id)
             return apply_async(target, args, kwargs, **options)
 
         return with_claims
@@ -212,7 +209,6 @@ class Claimer:
         while self._hub_work:
             entry, lost = self._hub_work.popleft()
             if lost is not None:
-                self.waiting.discard(entry.request.id)
                 entry.request.lease_lost(lost)
                 continue
             assert entry.call is not None
@@ -220,13 +216,11 @@ class Claimer:
             self._starts.append(time.monotonic())
             if entry.claim is not None:
                 args[2][CLAIM_KEY] = header(entry.claim, self.inc)
-                self.waiting.add(entry.request.id)
             try:
                 result = apply_async(target, args, kwargs, **options)
             except Exception as error:  # Celery's worker logs and drops it the same way
                 logger.critical("Internal error: %r: task %s not run", error, entry.request.id)
                 if entry.claim is not None:
-                    self.waiting.discard(entry.request.id)
                     entry.request.lease_lost(f"not handed to the pool after its claim: {error!r}")
                 continue
             entry.request._apply_result = None if result is None else weakref.ref(result)
@@ -297,6 +291,10 @@ class Claimer:
                     len(tokens),
                     error,
                 )
+            except Exception:
+                # never leave a delivery waiting for a claim that will not come: each
+                # goes to its pool process unclaimed, which claims it there
+                logger.exception("celery-lease: claims ahead failed; pool processes claim")
             self.batches += 1
             self.claimed += len(claims)
         by_entry = {id(entry): claims.get(token) for token, entry in tokens.items()}
@@ -339,8 +337,8 @@ class Claimer:
         queue_name = (request.delivery_info or {}).get("routing_key")
         try:
             return self.rt.pauses.match(self.rt.store, request.name, queue_name) is not None
-        except StoreError:
-            return True  # unknown: the pool process decides, as without claims ahead
+        except Exception:  # unknown (the database, or anything): the pool process decides
+            return True
 
 
 def _strip(request_dict: Any) -> None:

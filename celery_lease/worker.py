@@ -464,12 +464,6 @@ class LeasedRequest(Request):
     def _service(self) -> WorkerService | None:
         return _services.get(self.task.app)
 
-    def on_accepted(self, pid: Any, time_accepted: float) -> None:
-        claimer = _claimer.claimer_of(self.task.app)
-        if claimer is not None:
-            claimer.waiting.discard(self.id)
-        super().on_accepted(pid, time_accepted)
-
     def lease_lost(self, reason: str) -> bool:
         """Tell the lease, once per request, that its execution is lost (the pool's
         report and the service's backstop may both see it): ``False`` if told before.
@@ -478,9 +472,6 @@ class LeasedRequest(Request):
             if getattr(self, "_lease_told", False):
                 return False
             self._lease_told = True
-        claimer = _claimer.claimer_of(self.task.app)
-        if claimer is not None:
-            claimer.waiting.discard(self.id)
         task_ready(self)
         service = self._service()
         if service is not None:
