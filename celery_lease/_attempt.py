@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
@@ -342,6 +342,12 @@ def outcome(
     return ok
 
 
+#: What :func:`retry_outcome` did: ``"written"`` (the caller publishes the retry's
+#: message), ``"handed_over"`` (the worker's outcome writer writes the row, then
+#: publishes the message), ``"lost"`` (the lease was lost: nothing written).
+RetryRecorded = Literal["written", "handed_over", "lost"]
+
+
 def retry_outcome(
     task: LeasedTask,
     execution: Execution,
@@ -351,12 +357,16 @@ def retry_outcome(
     *,
     message: str | None = None,
     requeued: bool = False,
-) -> bool:
+) -> RetryRecorded:
     """RUNNING -> RETRY_WAIT -> PENDING once, fenced, due in ``delay`` seconds."""
     rt = _finishing(task, execution)
     if rt is None or rt.incarnation is None:
-        return False
-    return rt.store.schedule_retry(
+        return "lost"
+    if not requeued:
+        retry = Outcome(execution.lease, State.RETRY_WAIT, reason, None, error, delay, message)
+        if hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, retry):
+            return "handed_over"
+    written = rt.store.schedule_retry(
         execution.lease,
         delay,
         actor=rt.incarnation.actor,
@@ -365,6 +375,7 @@ def retry_outcome(
         message=message,
         requeued=requeued,
     )
+    return "written" if written else "lost"
 
 
 def _finishing(task: LeasedTask, execution: Execution) -> Runtime | None:

@@ -1,9 +1,12 @@
 """The outcome writer: executions' outcomes leave the pool's critical path in batches.
 
-A pool child that finishes a task hands its outcome (SUCCEEDED or CANCELLED, fenced
-by the execution's attempt and token) to the worker's main process and goes on to its
-next task; the main process writes the outcomes that arrived together in one
-statement (:meth:`~celery_lease.store.Store.finish_many`).
+A pool child that finishes a task hands its outcome (SUCCEEDED, CANCELLED, or a
+retry with its message, fenced by the execution's attempt and token) to the worker's
+main process and goes on to its next task; the main process writes the outcomes that
+arrived together in one statement (:meth:`~celery_lease.store.Store.finish_many`,
+:meth:`~celery_lease.store.Store.retry_many`), then publishes the retries' messages,
+each with what is left of its countdown: a retry's message goes out only once its
+row is PENDING, as when the pool process wrote it.
 
 The hand-over is one datagram on a Unix socket pair created before the pool forks,
 so every child inherits the sending end: a datagram is queued whole or not at all
@@ -17,7 +20,11 @@ than growing memory.
 What a buffered outcome costs if the whole worker dies before it is written: the
 row is still RUNNING under the dead worker's heartbeat, so its lease expires after
 the TTL (at once if the worker restarts under the same name) and the task re-runs,
-skipping every recorded step (crash-point matrix rows 7 and 20).
+skipping every recorded step (crash-point matrix rows 7 and 20). For a buffered retry
+that re-run is the retry, counted as a recovery. A retry written whose message the
+writer could not publish (broker down, or the worker lost between the commit and
+the publish) is an unpublished PENDING row: the reaper publishes it after
+``lease_publish_grace`` (matrix row 1).
 
 Written before the worker gives up its heartbeat row (shutdown), and before the main
 process expires the lease of a child it saw die (the child may have handed its
@@ -27,6 +34,7 @@ outcome over just before).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -39,6 +47,7 @@ from typing import Any
 
 from celery import Celery
 
+from . import _message
 from ._crashpoints import crash_point
 from .exceptions import StoreError
 from .states import State
@@ -50,7 +59,7 @@ logger = logging.getLogger("celery_lease")
 #: stays write-through: Celery reports FAILURE (result backend, ``link_error``, a
 #: chord's error) in the child right after the outcome, and nothing may say FAILURE
 #: unless the row is FAILED, even for a worker lost with the outcome buffered.
-HANDED_OVER = frozenset({State.SUCCEEDED, State.CANCELLED})
+HANDED_OVER = frozenset({State.SUCCEEDED, State.CANCELLED, State.RETRY_WAIT})
 
 #: Send buffer of the hand-over socket: room for a few hundred outcomes.
 _SEND_BUFFER = 1 << 20
@@ -101,7 +110,7 @@ class OutcomeWriter:
         self._lock = threading.Lock()
         #: held while a batch is written: one write at a time, in arrival order
         self._write_lock = threading.Lock()
-        self._buffer: collections.deque[tuple[Outcome, str]] = collections.deque()
+        self._buffer: collections.deque[_Buffered] = collections.deque()
         self._oldest = 0.0
         self._stopping = threading.Event()
         self._thread = threading.Thread(
@@ -110,6 +119,8 @@ class OutcomeWriter:
         #: outcomes written, and outcomes rejected because the lease was lost
         self.written = 0
         self.rejected = 0
+        #: retries written whose message this writer could not publish (the reaper does)
+        self.unpublished = 0
         #: set by :meth:`close`: later outcomes of this process are written through
         self.closed = False
         self._app = app
@@ -132,6 +143,9 @@ class OutcomeWriter:
                 outcome.result,
                 outcome.error,
                 task_name,
+                outcome.delay,
+                outcome.message,
+                time.monotonic(),  # the system's clock: the same in every process
             ],
             separators=(",", ":"),
         ).encode()
@@ -163,15 +177,19 @@ class OutcomeWriter:
                 return
             blob = self._chunk[:size]
             try:
-                task_id, attempt, token, to, reason, result, error, name = json.loads(blob)
+                (task_id, attempt, token, to, reason, result, error, name, delay, message, at) = (
+                    json.loads(blob)
+                )
                 lease = Lease(str(task_id), int(attempt), str(token))
-                outcome = Outcome(lease, State(to), str(reason), result, error)
+                outcome = Outcome(
+                    lease, State(to), str(reason), result, error, float(delay), message
+                )
             except (ValueError, TypeError) as bad:  # never from our own children
                 logger.error("celery-lease: unreadable outcome hand-over dropped: %s", bad)
                 continue
             if not self._buffer:
                 self._oldest = time.monotonic()
-            self._buffer.append((outcome, str(name)))
+            self._buffer.append(_Buffered(outcome, str(name), float(at)))
             crash_point("outcome_buffered")
 
     def _due(self) -> bool:
@@ -186,29 +204,75 @@ class OutcomeWriter:
         with self._write_lock:
             with self._lock:
                 self._drain()
-                batch = [self._buffer[i] for i in range(min(self.batch_size, len(self._buffer)))]
+                batch = self._next_batch()
             if not batch:
                 return 0
-            answers = self.store.finish_many([o for o, _ in batch], actor=self.actor)
+            retrying = batch[0].outcome.to is State.RETRY_WAIT
+            write = self.store.retry_many if retrying else self.store.finish_many
+            answers = write([b.outcome for b in batch], actor=self.actor)
             with self._lock:
                 for _ in batch:
                     self._buffer.popleft()
                 if self._buffer:
                     self._oldest = time.monotonic()
-        for (outcome, name), ok in zip(batch, answers, strict=True):
+            if retrying:
+                crash_point("after_retry_recorded")
+                self._publish([b for b, ok in zip(batch, answers, strict=True) if ok])
+        for b, ok in zip(batch, answers, strict=True):
             if ok:
                 self.written += 1
                 continue
             self.rejected += 1
             logger.warning(
-                "task %s[%s] attempt %d: outcome %s rejected, the lease was lost (another "
+                "task %s[%s] attempt %d: %s rejected, the lease was lost (another "
                 "attempt or a person owns the task now)",
-                name,
-                outcome.lease.task_id,
-                outcome.lease.attempt,
-                outcome.to,
+                b.name,
+                b.outcome.lease.task_id,
+                b.outcome.lease.attempt,
+                "retry" if b.outcome.to is State.RETRY_WAIT else f"outcome {b.outcome.to}",
             )
         return len(batch)
+
+    def _next_batch(self) -> list[_Buffered]:
+        """The oldest buffered outcomes, up to ``batch_size``, all retries or none: one
+        statement writes them (lock held)."""
+        batch: list[_Buffered] = []
+        for b in self._buffer:
+            if len(batch) == self.batch_size or (
+                batch
+                and (b.outcome.to is State.RETRY_WAIT) != (batch[0].outcome.to is State.RETRY_WAIT)
+            ):
+                break
+            batch.append(b)
+        return batch
+
+    def _publish(self, retries: list[_Buffered]) -> None:
+        """Send the messages of retries just written (PENDING, not yet marked published),
+        each due when its pool process asked; what cannot be sent is the reaper's."""
+        sent: list[str] = []
+        for n, b in enumerate(retries):
+            o = b.outcome
+            if o.message is None:  # never from a retry() (it always carries its message)
+                self.unpublished += 1
+                continue
+            left = o.delay - (time.monotonic() - b.handed_at)
+            try:
+                _message.send_stored(self._app, o.message, countdown=max(0.0, left))
+            except Exception as error:  # the broker: the row is the outbox
+                self.unpublished += len(retries) - n
+                logger.warning(
+                    "celery-lease: outcome writer: %d retries recorded but not published "
+                    "(%s): the reaper publishes them after lease_publish_grace",
+                    len(retries) - n,
+                    error,
+                )
+                break
+            sent.append(o.lease.task_id)
+        if sent:
+            try:
+                self.store.mark_published(sent)
+            except StoreError as error:  # published twice at worst: dropped at claim
+                logger.debug("retries published, not marked: %s", error)
 
     def flush(self) -> None:
         """Write everything handed over so far (the caller's thread waits).
@@ -296,6 +360,16 @@ class OutcomeWriter:
         return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Buffered:
+    """One outcome read from a pool process: whose task, and when it was handed over
+    (``time.monotonic()`` in the child: a retry's countdown runs from then)."""
+
+    outcome: Outcome
+    name: str
+    handed_at: float
+
+
 def writer_config(cfg: Any) -> dict[str, Any]:
     """The writer's settings from a :class:`~celery_lease.config.LeaseConfig`."""
     return {
@@ -316,20 +390,24 @@ def hand_over(
     """Hand a pool process's outcome to its worker's writer; ``False``: the caller
     writes it itself (write-through).
 
-    Written through: outcomes other than SUCCEEDED and CANCELLED, every outcome with
-    ``lease_outcome_write_through``, a self-fenced worker's (its leases are being
-    expired), a task with callbacks, a chain or a chord (Celery publishes those
-    follow-ups, or counts the chord, right after the outcome, so the row must be
-    final first, or a worker lost with the outcome buffered would run them again),
-    and a task run in the worker's main process itself (solo and threads pools, and
+    Written through: outcomes other than SUCCEEDED, CANCELLED and a retry carrying its
+    message, every outcome with ``lease_outcome_write_through``, a self-fenced
+    worker's (its leases are being expired), the final outcome of a task with
+    callbacks, a chain or a chord (Celery publishes those follow-ups, or counts the
+    chord, right after the outcome, so the row must be final first, or a worker lost
+    with the outcome buffered would run them again; a retry runs none of them), and
+    a task run in the worker's main process itself (solo and threads pools, and
     ``celery.contrib.pytest``'s in-process worker): there the caller that sees
     Celery's result may read the row next, and it must be final.
     """
     if outcome.to not in HANDED_OVER or fenced:
         return False
+    retry = outcome.to is State.RETRY_WAIT
+    if retry and outcome.message is None:
+        return False
     writer = _writers.get(app)
     if writer is None or writer.closed or os.getpid() == writer.owner:
         return False
-    if request.chord or request.callbacks or request.errbacks or request.chain:
+    if not retry and (request.chord or request.callbacks or request.errbacks or request.chain):
         return False
     return writer.hand_over(outcome, task_name)

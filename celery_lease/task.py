@@ -303,7 +303,7 @@ class LeasedTask(Task[Any, Any]):
         )
         limit = self.max_retries if options.get("max_retries") is None else options["max_retries"]
         retries = execution.claim.retries
-        ok = _attempt.retry_outcome(
+        recorded = _attempt.retry_outcome(
             self,
             execution,
             delay,
@@ -312,7 +312,7 @@ class LeasedTask(Task[Any, Any]):
             execution.retry_error,
             message=outgoing.stored(),
         )
-        if not ok:
+        if recorded == "lost":
             logger.warning(
                 "task %s[%s] attempt %d: retry not scheduled, the lease was lost",
                 self.name,
@@ -320,6 +320,8 @@ class LeasedTask(Task[Any, Any]):
                 execution.attempt,
             )
             return outgoing.result
+        if recorded == "handed_over":
+            return outgoing.result  # written with others, then published, by the writer
         crash_point("after_retry_recorded")
         return _submission.publish(self, rt, outgoing, producer)
 

@@ -18,6 +18,11 @@ from ._sql import after, db_now
 from ._types import Lease
 
 
+def retry_published(requeued: bool = False) -> str:
+    """The reason of a retry's ``RETRY_WAIT -> PENDING``, written with it by its worker."""
+    return f"retry {'requeued' if requeued else 'published'} by its worker"
+
+
 class OutcomeMixin(StoreBase):
     def finish(
         self,
@@ -106,6 +111,27 @@ class OutcomeMixin(StoreBase):
         its outbox: if it is never published, the reaper publishes it). ``requeued``:
         the broker keeps the delivered message (a ``Reject(requeue=True)``), so the row
         is recorded published. ``False``: the lease was lost; nothing was written."""
+
+        def op(conn: Connection, is_retry: bool) -> bool:
+            return self._retry_one(
+                conn, lease, delay, actor, reason, error, message, requeued, is_retry
+            )
+
+        return self._tx(op)
+
+    def _retry_one(
+        self,
+        conn: Connection,
+        lease: Lease,
+        delay: float,
+        actor: str,
+        reason: str,
+        error: str | None,
+        message: str | None,
+        requeued: bool,
+        is_retry: bool,
+    ) -> bool:
+        """:meth:`schedule_retry`'s writes, in the caller's transaction."""
         t = self.t.tasks
         retry_values: dict[str, Any] = {
             "next_retry_at": after(db_now(), delay),
@@ -120,33 +146,27 @@ class OutcomeMixin(StoreBase):
         }
         if message is not None:
             due["message"] = message
-
-        def op(conn: Connection, is_retry: bool) -> bool:
-            rows = self._move(
+        rows = self._move(
+            conn,
+            self._fenced(lease),
+            State.RUNNING,
+            State.RETRY_WAIT,
+            reason=reason,
+            actor=actor,
+            values=retry_values,
+        )
+        if rows:
+            self._move(
                 conn,
-                self._fenced(lease),
-                State.RUNNING,
+                [t.c.id == lease.task_id],
                 State.RETRY_WAIT,
-                reason=reason,
+                State.PENDING,
+                reason=retry_published(requeued),
                 actor=actor,
-                values=retry_values,
+                values=due,
             )
-            if rows:
-                self._move(
-                    conn,
-                    [t.c.id == lease.task_id],
-                    State.RETRY_WAIT,
-                    State.PENDING,
-                    reason=f"retry {'requeued' if requeued else 'published'} by its worker",
-                    actor=actor,
-                    values=due,
-                )
-                return True
-            if is_retry:
-                row = conn.execute(
-                    select(t.c.state, t.c.token).where(t.c.id == lease.task_id)
-                ).first()
-                return row is not None and row.token == lease.token and row.state == "PENDING"
-            return False
-
-        return self._tx(op)
+            return True
+        if is_retry:
+            row = conn.execute(select(t.c.state, t.c.token).where(t.c.id == lease.task_id)).first()
+            return row is not None and row.token == lease.token and row.state == "PENDING"
+        return False

@@ -19,13 +19,17 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
+    Float,
     Integer,
     String,
     Text,
     bindparam,
     column,
     func,
+    insert,
+    literal,
     select,
+    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -33,8 +37,9 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from .. import states
 from ..exceptions import IllegalTransition
 from ..states import Actor, State
-from ._base import StoreBase, TransitionEvent, state_is
-from ._sql import db_now
+from ._base import TransitionEvent, state_is
+from ._outcome import OutcomeMixin, retry_published
+from ._sql import after, db_now
 from ._types import Lease
 
 
@@ -47,13 +52,17 @@ class Outcome:
     reason: str
     result: str | None = None
     error: str | None = None
+    #: A retry (``to`` RETRY_WAIT): seconds until it is due, and its message as Celery
+    #: built it (stored in the row, its outbox).
+    delay: float = 0.0
+    message: str | None = None
 
 
 #: Outcomes a batch writes (the execution's own final states).
 BATCHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
 
 
-class OutcomesMixin(StoreBase):
+class OutcomesMixin(OutcomeMixin):
     def finish_many(self, outcomes: Sequence[Outcome], *, actor: str) -> list[bool]:
         """Write many executions' outcomes (SUCCEEDED, FAILED, CANCELLED) at once,
         each fenced by its attempt and token; one answer per outcome, in order.
@@ -93,7 +102,7 @@ class OutcomesMixin(StoreBase):
         """An outcome the batch did not write: lost, finished from WAIT_MANUAL, or
         (after a retried batch whose commit's answer was lost) already written."""
         if any(s is not State.RUNNING for s in states.sources(o.to, Actor.TASK)):
-            ok = self.finish(  # type: ignore[attr-defined]
+            ok = self.finish(
                 o.lease, o.to, actor=actor, reason=o.reason, result=o.result, error=o.error
             )
             if ok:
@@ -118,7 +127,7 @@ class OutcomesMixin(StoreBase):
             moved = self._move_prepared(
                 conn,
                 ("finish", o.to),
-                self._finish_spec,  # type: ignore[attr-defined]
+                self._finish_spec,
                 {
                     "b_task_id": o.lease.task_id,
                     "b_attempt": o.lease.attempt,
@@ -205,3 +214,162 @@ class OutcomesMixin(StoreBase):
             .cte("moved")
         )
         return select(moved).add_cte(self._audit_of(moved, State.RUNNING))
+
+    # -- retries -------------------------------------------------------------------------
+
+    def retry_many(self, outcomes: Sequence[Outcome], *, actor: str) -> list[bool]:
+        """Schedule many executions' retries at once: each row, fenced by its attempt
+        and token, goes ``RUNNING -> RETRY_WAIT -> PENDING`` as
+        :meth:`~OutcomeMixin.schedule_retry` moves one, due ``delay`` seconds from now
+        (database time), with its message stored and not yet published (the caller
+        publishes it, or the reaper does after ``lease_publish_grace``). One answer per
+        outcome, in order; ``False``: that lease was lost, nothing was written for it.
+
+        Raises:
+            IllegalTransition: an outcome is not a retry.
+        """
+        if not outcomes:
+            return []
+        for o in outcomes:
+            if o.to is not State.RETRY_WAIT:
+                raise IllegalTransition(o.lease.task_id, State.RUNNING, o.to)
+        states.check(State.RUNNING, State.RETRY_WAIT)
+        states.check(State.RETRY_WAIT, State.PENDING)
+        retried = False
+
+        def op(conn: Connection, is_retry: bool) -> set[tuple[str, int]]:
+            nonlocal retried
+            retried = retried or is_retry
+            if self.is_pg:
+                return self._retry_batch_pg(conn, outcomes, actor)
+            done: set[tuple[str, int]] = set()
+            for o in outcomes:
+                if self._retry_one(
+                    conn, o.lease, o.delay, actor, o.reason, o.error, o.message, False, is_retry
+                ):
+                    done.add((o.lease.task_id, o.lease.attempt))
+            return done
+
+        done = self._tx(op, single=self.is_pg)
+        answers: list[bool] = []
+        t = self.t.tasks
+        for o in outcomes:
+            if (o.lease.task_id, o.lease.attempt) in done:
+                answers.append(True)
+            elif not (retried and self.is_pg):
+                answers.append(False)
+            else:  # a retried statement whose commit's answer was lost may have written it
+                lease = o.lease
+
+                def read(conn: Connection, lease: Lease = lease) -> bool:
+                    row = conn.execute(
+                        select(t.c.state, t.c.token).where(t.c.id == lease.task_id)
+                    ).first()
+                    return row is not None and row.token == lease.token and row.state == "PENDING"
+
+                answers.append(self._read(read))
+        return answers
+
+    def _retry_batch_pg(
+        self, conn: Connection, outcomes: Sequence[Outcome], actor: str
+    ) -> set[tuple[str, int]]:
+        stmt = self._prepared("retry_many", self._retry_many_statement)
+        params = {
+            "b_ids": [o.lease.task_id for o in outcomes],
+            "b_attempts": [o.lease.attempt for o in outcomes],
+            "b_tokens": [o.lease.token for o in outcomes],
+            "b_delays": [float(o.delay) for o in outcomes],
+            "b_reasons": [o.reason for o in outcomes],
+            "b_errors": [o.error for o in outcomes],
+            "b_messages": [o.message for o in outcomes],
+            "b_actor": actor,
+            "b_published": retry_published(),
+        }
+        done: set[tuple[str, int]] = set()
+        for row in conn.execute(stmt, params).all():
+            attempt = int(row.attempt)
+            done.add((row.id, attempt))
+            for frm, to, reason in (
+                (State.RUNNING, State.RETRY_WAIT, row.retry_reason),
+                (State.RETRY_WAIT, State.PENDING, retry_published()),
+            ):
+                self._record_event(
+                    TransitionEvent(row.id, row.name, frm, to, reason, actor, attempt)
+                )
+        return done
+
+    def _retry_many_statement(self) -> Any:
+        """PostgreSQL: the fenced ``RUNNING -> RETRY_WAIT -> PENDING`` of every element
+        of the bound arrays, with both audit rows of each, as one statement."""
+        t, tr = self.t.tasks, self.t.transitions
+        v = (
+            func.unnest(
+                bindparam("b_ids", type_=ARRAY(String)),
+                bindparam("b_attempts", type_=ARRAY(Integer)),
+                bindparam("b_tokens", type_=ARRAY(String)),
+                bindparam("b_delays", type_=ARRAY(Float)),
+                bindparam("b_reasons", type_=ARRAY(Text)),
+                bindparam("b_errors", type_=ARRAY(Text)),
+                bindparam("b_messages", type_=ARRAY(Text)),
+            )
+            .table_valued(
+                column("id", String),
+                column("attempt", Integer),
+                column("token", String),
+                column("delay", Float),
+                column("reason", Text),
+                column("error", Text),
+                column("message", Text),
+            )
+            .render_derived(name="v")
+        )
+        published = bindparam("b_published", type_=Text)
+        moved = (
+            update(t)
+            .where(
+                t.c.id == v.c.id,
+                t.c.attempt == v.c.attempt,
+                t.c.token == v.c.token,
+                state_is(t, State.RUNNING),
+            )
+            .values(
+                state=State.PENDING.value,
+                updated_at=db_now(),
+                reason=published,
+                retries=t.c.retries + 1,
+                error=v.c.error,
+                next_retry_at=None,
+                eta=after(db_now(), v.c.delay),
+                published_at=None,
+                publish_count=0,
+                message=func.coalesce(v.c.message, t.c.message),
+            )
+            .returning(t.c.id, t.c.attempt, t.c.name, v.c.reason.label("retry_reason"))
+            .cte("moved")
+        )
+        actor = bindparam("b_actor", type_=String)
+        columns = ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"]
+
+        def audit_rows(frm: State, to: State, reason: Any) -> Any:
+            return select(
+                moved.c.id,
+                literal(frm.value, String),
+                literal(to.value, String),
+                reason,
+                actor,
+                moved.c.attempt,
+                db_now(),
+            )
+
+        audit = (
+            insert(tr)
+            .from_select(
+                columns,
+                union_all(
+                    audit_rows(State.RUNNING, State.RETRY_WAIT, moved.c.retry_reason),
+                    audit_rows(State.RETRY_WAIT, State.PENDING, published),
+                ),
+            )
+            .cte("audit")
+        )
+        return select(moved).add_cte(audit)

@@ -13,6 +13,11 @@ the worker's live heartbeat:
   TCP proxy the test cuts): the writer keeps it and retries, the worker fences itself
   on the TTL, and once the database answers nothing is lost: the row ends SUCCEEDED,
   its step ran once.
+
+A retry (``self.retry()``) is handed over too, with its message: the writer writes
+the row, then publishes the message. Lost in the buffer, it is row 20 (the re-run is
+the retry, counted as a recovery); lost between the row and the publish, it is row 1
+(the reaper publishes the row's message: plain Celery's one retry).
 """
 
 from __future__ import annotations
@@ -98,3 +103,56 @@ def test_row21_database_unreachable_with_the_outcome_buffered(
         assert p.trail(task_id)[-1] == ("RUNNING", "SUCCEEDED")
     else:
         assert ("RUNNING", "TIMEOUT") in p.trail(task_id)
+
+
+# -- retries handed to the writer ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
+def test_row20_whole_worker_killed_with_a_retry_buffered(
+    lease_env: LeaseEnv, request: pytest.FixtureRequest, broker: str
+) -> None:
+    # a pool process's self.retry() is handed to the writer: the worker dies with it
+    # buffered, before the row or the retry's message was written
+    p = lease_env.project(broker_url=request.getfixturevalue(f"{broker}_url"))
+    crashing = p.worker("w1", env={"CELERY_LEASE_CRASH_AT": "outcome_buffered"})
+    task_id = p.submit("t.retry_then_ok", 1)
+
+    wait_until(lambda: not crashing.is_alive(), timeout=60, message="the worker never died")
+    record = p.get(task_id)
+    assert (record.state, record.attempt, record.retries) == (State.RUNNING, 1, 0)
+    assert p.external.count("retry_then_ok") == 1
+
+    p.worker("w1")  # its predecessor's lease expires at once: the re-run is the retry
+    final = p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+    # the lost retry counts as a recovery; the re-run retried once more (its message is
+    # the first one, retries 0) and then succeeded
+    assert (final.recoveries, final.retries, final.result) == (1, 1, 1)
+    assert p.external.count("retry_then_ok") == 3
+    trail = p.trail(task_id)
+    assert trail[:3] == [(None, "PENDING"), ("PENDING", "RUNNING"), ("RUNNING", "TIMEOUT")]
+    assert trail[-1] == ("RUNNING", "SUCCEEDED")
+
+
+@pytest.mark.parametrize("broker", ["redis", "amqp"])
+def test_row1_worker_killed_after_writing_a_retry_before_publishing_it(
+    lease_env: LeaseEnv, request: pytest.FixtureRequest, broker: str
+) -> None:
+    # the writer committed the retry (PENDING, its message stored) and died before
+    # sending the message: the row is its outbox, the reaper publishes it
+    p = lease_env.project(broker_url=request.getfixturevalue(f"{broker}_url"))
+    crashing = p.worker("w1", env={"CELERY_LEASE_CRASH_AT": "after_retry_recorded"})
+    task_id = p.submit("t.retry_then_ok", 1)
+
+    # the whole worker died: the crash point fired in its main process (the writer),
+    # where a retry written by the pool process would have ended only that process
+    wait_until(lambda: not crashing.is_alive(), timeout=60, message="the worker never died")
+    record = p.get(task_id)
+    assert (record.state, record.retries, record.published_at) == (State.PENDING, 1, None)
+    assert p.trail(task_id)[-2:] == [("RUNNING", "RETRY_WAIT"), ("RETRY_WAIT", "PENDING")]
+
+    p.worker("w2")
+    final = p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+    # exactly plain Celery's run: one retry, no recovery
+    assert (final.recoveries, final.retries, final.attempt, final.result) == (0, 1, 2, 1)
+    assert p.external.count("retry_then_ok") == 2

@@ -7,12 +7,14 @@ answered ``False`` and left as it is, whatever else the batch holds.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import pytest
 from sqlalchemy import event
 
 from celery_lease.exceptions import IllegalTransition
 from celery_lease.states import State
-from celery_lease.store import Outcome
+from celery_lease.store import Claim, Outcome, Refusal
 
 from ..helpers import wait_until
 from .test_store_contract import recover, running, snapshot, trail
@@ -152,6 +154,91 @@ def test_a_batch_is_one_statement_on_postgresql_and_one_transaction_on_sqlite(st
         assert store.get(task_id).state is S.SUCCEEDED
 
 
+# -- retries in batches --------------------------------------------------------------------
+
+
+def retry_of(lease, delay=0.0, n=1, message='{"v": 1, "retry": true}'):
+    return Outcome(
+        lease,
+        S.RETRY_WAIT,
+        f"retry {n} of 3, due in {delay:.3g} s",
+        None,
+        "Flaky: try",
+        delay,
+        message,
+    )
+
+
+def test_a_batch_of_retries_makes_each_row_pending_with_its_message_and_audit_rows(store):
+    ran = [running(store) for _ in range(3)]
+    before = {task_id: store.get(task_id).message for task_id, _, _ in ran}
+    retries = [
+        retry_of(ran[0][1], 0.0, message='{"v": 1, "n": 0}'),
+        retry_of(ran[1][1], 30.0, message='{"v": 1, "n": 1}'),
+        retry_of(ran[2][1], 0.0, message=None),  # keeps the row's message
+    ]
+    assert store.retry_many(retries, actor="worker:w1@host") == [True, True, True]
+    for (task_id, lease, _), retry in zip(ran, retries, strict=True):
+        record = store.get(task_id)
+        assert (record.state, record.retries, record.error) == (S.PENDING, 1, "Flaky: try")
+        assert record.published_at is None and record.next_retry_at is None
+        assert record.message == (retry.message or before[task_id])
+        history = store.history(task_id)[-2:]
+        assert [(h.from_state, h.to_state) for h in history] == [
+            (S.RUNNING, S.RETRY_WAIT),
+            (S.RETRY_WAIT, S.PENDING),
+        ]
+        assert [h.reason for h in history] == [retry.reason, "retry published by its worker"]
+        assert {(h.actor, h.attempt) for h in history} == {("worker:w1@host", lease.attempt)}
+    # due in database time: the first at once, the second in 30 s
+    owner = ran[0][2]
+    assert isinstance(store.claim(ran[0][0], owner, "worker:w1@host"), Claim)
+    early = store.claim(ran[1][0], owner, "worker:w1@host")
+    assert isinstance(early, Refusal) and early.early
+    # the row is its outbox: unpublished, the reaper's grace sweep would publish it
+    assert store.take_due_retries(actor="reaper") == []
+
+
+def test_a_lost_lease_in_a_batch_of_retries_is_skipped(store):
+    lost_id, stale, owner = running(store)
+    recover(store, lost_id, owner)
+    before = snapshot(store, lost_id)
+    kept_id, kept, _ = running(store)
+    answers = store.retry_many([retry_of(stale), retry_of(kept)], actor="w")
+    assert answers == [False, True]
+    assert snapshot(store, lost_id) == before
+    assert store.get(kept_id).state is S.PENDING
+
+
+def test_a_batch_of_retries_takes_nothing_but_retries(store):
+    task_id, lease, _ = running(store)
+    before = snapshot(store, task_id)
+    with pytest.raises(IllegalTransition):
+        store.retry_many([retry_of(lease), Outcome(lease, S.SUCCEEDED, "ok")], actor="w")
+    assert snapshot(store, task_id) == before
+    assert store.retry_many([], actor="w") == []
+
+
+def test_a_batch_of_retries_is_one_statement_on_postgresql_and_one_transaction_on_sqlite(store):
+    heard = []
+    store.listeners.append(lambda events: heard.append(list(events)))
+    for size in (2, 40):
+        batch = [running(store) for _ in range(size)]
+        heard.clear()
+        with Statements(store.engine) as counted:
+            assert all(store.retry_many([retry_of(lease) for _, lease, _ in batch], actor="w"))
+        if store.is_pg:
+            assert counted.statements == ["WITH"]
+        else:
+            assert counted.commits == 1
+        assert len(heard) == 1  # one commit: listeners hear both transitions of each row
+        assert sorted((e.task_id, e.from_state, e.to_state) for e in heard[0]) == sorted(
+            (task_id, frm, to)
+            for task_id, _, _ in batch
+            for frm, to in ((S.RUNNING, S.RETRY_WAIT), (S.RETRY_WAIT, S.PENDING))
+        )
+
+
 # -- the outcome writer: hand-over from a forked pool process, back-pressure -------------
 
 
@@ -273,7 +360,101 @@ def test_hand_over_writes_through_what_it_must(store):
     assert not hand_over(app, plain, True, "tests.job", ok)  # self-fenced
     assert not hand_over(app, linked, False, "tests.job", ok)  # follow-ups need the row
     assert not hand_over(app, plain, False, "tests.job", Outcome(lease, S.FAILED, "raised"))
+    # a retry carries its message, which the writer publishes after the row; Celery runs
+    # no follow-up on a retry, so a task with callbacks hands it over too
+    assert hand_over(app, plain, False, "tests.job", retry_of(lease))
+    assert hand_over(app, linked, False, "tests.job", retry_of(lease))
+    assert not hand_over(app, plain, False, "tests.job", retry_of(lease, message=None))
     huge = Outcome(lease, S.SUCCEEDED, "succeeded", result='"' + "x" * 300_000 + '"')
     assert not hand_over(app, plain, False, "tests.job", huge)  # larger than one hand-over
     writer.close()
     assert not hand_over(app, plain, False, "tests.job", ok)  # closed: write through
+
+
+def retry_app(broker_url):
+    from celery import Celery
+
+    app = Celery("writer-retry-test", broker=broker_url, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry=False, task_publish_retry=False, broker_connection_timeout=0.5
+    )
+
+    @app.task(name="tests.job", shared=False)
+    def job(n):
+        return n
+
+    return app, job
+
+
+def test_the_writer_publishes_a_retry_after_writing_its_row(store, redis_url):
+    import json as json_
+    import uuid
+
+    import redis
+
+    from celery_lease import _message
+    from celery_lease._outcome_writer import OutcomeWriter
+
+    app, job = retry_app(redis_url)
+    queue = f"writer-retry-{uuid.uuid4().hex[:8]}"
+    (soon_id, soon, _), (later_id, later, _) = running(store), running(store)
+    messages = {
+        task_id: _message.build(job, (1,), {}, task_id, queue=queue).stored()
+        for task_id in (soon_id, later_id)
+    }
+    writer = OutcomeWriter(
+        app,
+        store,
+        "worker:w1@host",
+        batch_size=100,
+        flush_interval=0.0,
+        buffer=100,
+        hand_over_timeout=5.0,
+    )
+    assert writer.hand_over(retry_of(soon, 0.0, message=messages[soon_id]), "tests.job")
+    assert writer.hand_over(retry_of(later, 60.0, message=messages[later_id]), "tests.job")
+    writer.flush()
+    assert (writer.written, writer.rejected, writer.unpublished) == (2, 0, 0)
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        sent = [json_.loads(raw) for raw in client.lrange(queue, 0, -1)]
+    finally:
+        client.delete(queue)
+        client.close()
+    headers = {m["headers"]["id"]: m["headers"] for m in sent}
+    assert set(headers) == {soon_id, later_id}  # one message each, sent after its row
+    assert headers[soon_id]["eta"] is None
+    # the rest of its countdown: due in about a minute, by the message's ETA
+    eta = datetime.fromisoformat(headers[later_id]["eta"])
+    assert 50 < (eta - datetime.now(timezone.utc)).total_seconds() <= 60
+    for task_id in (soon_id, later_id):
+        record = store.get(task_id)
+        assert record.state is S.PENDING and record.retries == 1
+        wait_until(lambda task_id=task_id: store.get(task_id).published_at is not None)
+    writer.close()
+
+
+def test_a_retry_the_writer_cannot_publish_stays_in_its_row_for_the_reaper(store):
+    from celery_lease import _message
+    from celery_lease._outcome_writer import OutcomeWriter
+
+    app, job = retry_app("redis://127.0.0.1:1/0")  # nothing listens there
+    task_id, lease, _ = running(store)
+    message = _message.build(job, (1,), {}, task_id).stored()
+    writer = OutcomeWriter(
+        app,
+        store,
+        "worker:w1@host",
+        batch_size=100,
+        flush_interval=0.0,
+        buffer=100,
+        hand_over_timeout=5.0,
+    )
+    assert writer.hand_over(retry_of(lease, 0.0, message=message), "tests.job")
+    writer.flush()  # the broker's error is not the writer's: nothing is lost
+    assert (writer.written, writer.unpublished) == (1, 1)
+    record = store.get(task_id)
+    assert record.state is S.PENDING and record.published_at is None
+    assert record.message == message  # what the reaper publishes after the grace
+    writer.close()
