@@ -16,6 +16,9 @@ Points (where they are called):
 * ``outcome_buffered``: the worker's outcome writer (its main process) has read an
   outcome a pool process handed over and not written it yet: the whole worker dies
   with the outcome buffered.
+* ``after_retry_recorded``: a retry's row is PENDING with its message, and the message
+  is not published yet: in the worker's outcome writer (a retry handed over by a pool
+  process), or in the pool process that wrote it itself (``LeasedTask._publish_retry``).
 
 Points aimed at one task's steps (:func:`step_crash_point`), armed by the testing kit
 (:mod:`celery_lease.testing`) rather than named by the environment, each fires once:
