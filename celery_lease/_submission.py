@@ -271,6 +271,11 @@ _active: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
 )
 
 
+def in_bulk() -> bool:
+    """Whether a :func:`bulk` block is open in this context (for any app)."""
+    return _active.get() is not None
+
+
 def collecting(app: Celery) -> _Batch | None:
     """The :func:`bulk` block open for ``app`` in this context, if any."""
     batch = _active.get()

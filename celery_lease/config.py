@@ -144,6 +144,9 @@ class LeaseConfig:
     #: Outcomes the writer holds unwritten before it stops reading more (the pool's
     #: hand-over then blocks: a slow or unreachable database holds the pool back).
     outcome_buffer: int = 1000
+    #: A ``group(...).apply_async()`` (a chord's header too) with leased members writes
+    #: their rows in multi-row statements, as inside ``celery_lease.bulk()``.
+    batch_groups: bool = True
     #: A prefork worker's main process claims the deliveries it takes from the broker
     #: together in one statement, before the pool runs them (``celery_lease._claimer``).
     claim_ahead: bool = False
@@ -271,6 +274,7 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_outcome_batch_size": ("outcome_batch_size", int),
     "lease_outcome_flush_interval": ("outcome_flush_interval", float),
     "lease_outcome_buffer": ("outcome_buffer", int),
+    "lease_batch_groups": ("batch_groups", bool),
     "lease_claim_ahead": ("claim_ahead", bool),
     "lease_claim_batch_size": ("claim_batch_size", int),
     "lease_claim_interval": ("claim_interval", float),

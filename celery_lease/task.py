@@ -13,7 +13,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.result import AsyncResult
 
-from . import _attempt, _message, _submission
+from . import _attempt, _group_batches, _message, _submission
 from ._crashpoints import crash_point
 from ._execution import Execution
 from ._runtime import install, runtime
@@ -381,3 +381,7 @@ class LeasedTask(Task[Any, Any]):
     def check_cancelled(self) -> None:
         """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
         self._execution().boundary()
+
+
+# a plain group(...).apply_async() of leased tasks writes its rows together
+_group_batches.install(LeasedTask)
