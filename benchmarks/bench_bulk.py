@@ -61,6 +61,8 @@ def retry_once(self, i):
     return i
 """
 
+#: "leased group" is a plain ``group(...).apply_async()`` of a leased task, which writes
+#: its rows in multi-row statements by itself (``lease_batch_groups``).
 VARIANTS = ("plain group", "leased group", "leased group in bulk()", "submit_many")
 
 
@@ -112,6 +114,7 @@ def _measure_submission(ctx: Context, backend: str, url: str, schema: str | None
                 delete_queue(REDIS_URL, queue)
                 truncate_store(store)
         ctx.log(f"bulk {backend} round {r + 1}/{rounds}")
+    inserted = _insert_rate(module, store, n, rounds)
     runtime(module.app).reset()
     plain = median(times["plain group"])
     rows = []
@@ -125,9 +128,33 @@ def _measure_submission(ctx: Context, backend: str, url: str, schema: str | None
                 "seconds": seconds,
                 "per_second": n / seconds,
                 "vs_plain": plain / seconds,
+                "rows_per_second": inserted if variant != "plain group" else None,
             }
         )
     return rows
+
+
+def _insert_rate(module: Any, store: Any, n: int, rounds: int) -> float:
+    """Rows per second into the store alone: ``Store.submit_many`` of ``n`` rows as a
+    leased group's (their messages built beforehand, nothing published), median."""
+    from _common import truncate_store
+    from celery.utils import uuid
+
+    from celery_lease import _submission
+
+    task = module.app.tasks["b.leased"]
+    seconds = []
+    for _ in range(rounds):
+        rows = [
+            _submission.prepare(task, (i,), {}, uuid(), None, {"queue": "unused"})[0]
+            for i in range(n)
+        ]
+        t0 = time.perf_counter()
+        answers = store.submit_many(rows)
+        seconds.append(time.perf_counter() - t0)
+        assert all(created for _, created in answers)
+        truncate_store(store)
+    return n / median(seconds)
 
 
 def _retry_latency(ctx: Context, backend: str, url: str, schema: str | None) -> dict[str, Any]:
@@ -194,10 +221,11 @@ def run(ctx: Context) -> Section:
         retries.append(_retry_latency(ctx, "postgresql", url, schema))
     section.add(
         f"Submitting a group of {rows[0]['n']} no-op tasks to Redis (no worker running), "
-        "medians of alternating rounds. `leased group` writes one row per task (one "
-        "committed insert each); inside `celery_lease.bulk()` the group's rows go in "
-        "multi-row statements of up to 500 rows, then the messages are published; "
-        "`submit_many` is the same for one task with many argument sets.",
+        "medians of alternating rounds. `leased group` is a plain `group(...).apply_async()` "
+        "of a leased task: its rows go in multi-row statements of up to 500 rows, then "
+        "the messages are published (`lease_batch_groups`), as inside an explicit "
+        "`celery_lease.bulk()` block; `submit_many` is the same for one task with many "
+        "argument sets.",
         "",
         *table(
             ["store", "variant", "seconds", "tasks/s", "vs plain group"],
@@ -205,6 +233,14 @@ def run(ctx: Context) -> Section:
                 [r["backend"], r["variant"], r["seconds"], r["per_second"], r["vs_plain"]]
                 for r in rows
             ],
+        ),
+        "",
+        "Rows per second into the store alone (`Store.submit_many` of the same rows, "
+        "their messages built beforehand, nothing published; median of the rounds):",
+        "",
+        *table(
+            ["store", "rows/s"],
+            [[r["backend"], r["rows_per_second"]] for r in rows if r["variant"] == "submit_many"],
         ),
         "",
         f"Retry latency: {retries[0]['n']} tasks each calling `self.retry(countdown=0.5)` "

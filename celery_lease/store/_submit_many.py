@@ -1,22 +1,82 @@
 """Bulk submission: many PENDING rows in one multi-row statement per batch.
 
-What ``LeasedTask.submit_many`` and ``celery_lease.bulk()`` write before they publish:
-the rows (with their audit rows) of up to ``batch_size`` tasks per transaction, then
-the ids of those that already existed (a duplicate dedup key or id), in one more
-read. The row is still written before its message is published.
+What ``LeasedTask.submit_many``, ``celery_lease.bulk()`` and a group of leased tasks
+write before they publish: the rows (with their audit rows) of up to ``batch_size``
+tasks per transaction, then the ids of those that already existed (a duplicate dedup
+key or id), in one more read. The row is still written before its message is
+published.
+
+On PostgreSQL a batch is one statement: ``INSERT ... SELECT FROM json_to_recordset(...)``
+(the batch's rows as one JSON document, bound as one parameter, so the statement
+text is the same for every batch and psycopg prepares it once; one document costs
+the client far less than a text array per column, which psycopg escapes element by
+element) with the audit rows inserted by a data-modifying CTE over the inserted
+rows. On SQLite it is the single-row statement
+of ``submit()`` run as an executemany, which SQLAlchemy sends as multi-row
+``INSERT ... VALUES`` pages.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy import Connection, or_, select
+from sqlalchemy import (
+    Connection,
+    DateTime,
+    Float,
+    Integer,
+    String,
+    Text,
+    bindparam,
+    case,
+    cast,
+    column,
+    func,
+    insert,
+    literal,
+    null,
+    or_,
+    select,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import JSON
 
 from ..states import Actor, State
 from ._base import TransitionEvent
-from ._producer import ProducerMixin, _submit_params
+from ._producer import _SUBMIT, ProducerMixin, _submit_params
+from ._sql import after, db_now
 from ._types import NewTask
+
+
+def _json_row(new: NewTask, n: int) -> dict[str, Any]:
+    row: dict[str, Any] = {c: getattr(new, c) for c, _ in _FIELDS[:-2]}
+    row["eta"] = None if new.eta is None else new.eta.isoformat()
+    row["n"] = n
+    return row
+
+
+#: The columns of a PostgreSQL batch's JSON rows, with their SQL types.
+_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("id", String),
+    ("name", String),
+    ("dedup_key", String),
+    ("args", Text),
+    ("kwargs", Text),
+    ("options", Text),
+    ("message", Text),
+    ("lease_ttl", Float),
+    ("max_runtime", Float),
+    ("max_retries", Integer),
+    ("on_timeout", String),
+    ("on_exhausted", String),
+    ("max_recoveries", Integer),
+    ("countdown", Float),
+    ("eta", DateTime(timezone=True)),
+    ("n", Integer),  # the row's place in the batch
+)
 
 #: Rows per statement: well under SQLite's and PostgreSQL's bound-parameter limits.
 BATCH_SIZE = 500
@@ -47,9 +107,27 @@ class SubmitManyMixin(ProducerMixin):
     def _submit_chunk(
         self, conn: Connection, rows: Sequence[NewTask], is_retry: bool
     ) -> list[tuple[str, bool]]:
+        created: set[str] = set()
+        if self.is_pg:
+            stmt = self._prepared("submit_many", self._submit_many_pg)
+            doc = json.dumps([_json_row(new, i) for i, new in enumerate(rows)])
+            created.update(str(i) for i in conn.execute(stmt, {"b_rows": doc}).scalars())
+            for new in rows:
+                if new.id in created:
+                    self._record_event(
+                        TransitionEvent(
+                            new.id,
+                            new.name,
+                            None,
+                            State.PENDING,
+                            "submitted",
+                            Actor.PRODUCER.value,
+                            0,
+                        )
+                    )
+            return self._answer(conn, rows, created, is_retry)
         # the single-row statements of submit(), built once and run as executemany:
         # SQLAlchemy sends each as multi-row INSERT ... VALUES pages ("insertmanyvalues")
-        created: set[str] = set()
         for countdown in (False, True):
             params = [_submit_params(n) for n in rows if (n.countdown is not None) is countdown]
             if not params:
@@ -85,6 +163,12 @@ class SubmitManyMixin(ProducerMixin):
                             0,
                         )
                     )
+        return self._answer(conn, rows, created, is_retry)
+
+    def _answer(
+        self, conn: Connection, rows: Sequence[NewTask], created: set[str], is_retry: bool
+    ) -> list[tuple[str, bool]]:
+        """Each row's (task id, created), the rows not created looked up."""
         t = self.t.tasks
         others = [new for new in rows if new.id not in created]
         if not others:
@@ -111,3 +195,41 @@ class SubmitManyMixin(ProducerMixin):
             else:  # the conflicting row was purged meanwhile: write it on its own
                 answer.append(self._submit_chunk(conn, [new], is_retry)[0])
         return answer
+
+    def _submit_many_pg(self) -> Any:
+        """PostgreSQL: a batch of PENDING rows and their audit rows, one statement."""
+        t, tr = self.t.tasks, self.t.transitions
+        v = (
+            func.json_to_recordset(cast(bindparam("b_rows", type_=Text), JSON))
+            .table_valued(*(column(c, kind) for c, kind in _FIELDS))
+            .render_derived(name="v", with_types=True)
+        )
+        names = [*_SUBMIT, "state", "created_at", "updated_at", "reason", "eta"]
+        rows = select(
+            *(v.c[c] for c in _SUBMIT),
+            literal(State.PENDING.value, String),
+            db_now(),
+            db_now(),
+            literal("submitted", Text),
+            case((v.c.countdown.is_not(None), after(db_now(), v.c.countdown)), else_=v.c.eta),
+        ).order_by(v.c.n)  # the first of two rows with one id or dedup key wins
+        inserted = (
+            postgresql.insert(t)
+            .from_select(names, rows)
+            .on_conflict_do_nothing()
+            .returning(t.c.id)
+            .cte("inserted")
+        )
+        audit = insert(tr).from_select(
+            ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+            select(
+                inserted.c.id,
+                null(),
+                literal(State.PENDING.value, String),
+                literal("submitted", Text),
+                literal(Actor.PRODUCER.value, String),
+                literal(0, Integer),
+                db_now(),
+            ),
+        )
+        return select(inserted.c.id).add_cte(audit.cte("audit"))

@@ -105,6 +105,45 @@ def test_a_countdown_is_an_eta_in_database_time(store: Store) -> None:
     assert 3500 < (later.eta - later.created_at).total_seconds() <= 3600
 
 
+def test_every_column_of_a_batch_is_stored_as_submit_stores_it(store: Store) -> None:
+    from dataclasses import replace
+    from datetime import datetime, timezone
+
+    eta = datetime(2031, 5, 6, 7, 8, 9, 123456, tzinfo=timezone.utc)
+    full = replace(
+        new_task("full", dedup_key="k:é\u2603"),
+        args='[1, "two \\" \u00e9"]',
+        kwargs='{"x": null}',
+        options='{"queue": "q"}',
+        eta=eta,
+        max_runtime=12.5,
+        max_retries=7,
+        on_timeout="manual",
+        on_exhausted="manual",
+        lease_ttl=42.0,
+        max_recoveries=3,
+        message='{"v": 1, "quote": "\\"", "nl": "a\\nb"}',
+    )
+    store.submit_many([full])
+    store.submit(replace(full, id="single", dedup_key="other"))
+    got, single = store.get("full"), store.get("single")
+    for record in (got, single):
+        assert (
+            record.eta == eta
+            and record.args == [1, 'two " \u00e9']
+            and record.kwargs == {"x": None}
+        )
+        assert (record.max_runtime, record.max_retries, record.lease_ttl) == (12.5, 7, 42.0)
+        assert (record.on_timeout, record.on_exhausted, record.max_recoveries) == (
+            "manual",
+            "manual",
+            3,
+        )
+        assert record.message == full.message and record.reason == "submitted"
+        assert record.state is State.PENDING and record.published_at is None
+    assert got.dedup_key == "k:é\u2603"
+
+
 # -- real workers -------------------------------------------------------------------------
 
 PROJECT = """
