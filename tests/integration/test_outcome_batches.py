@@ -8,6 +8,7 @@ answered ``False`` and left as it is, whatever else the batch holds.
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import event
@@ -458,3 +459,107 @@ def test_a_retry_the_writer_cannot_publish_stays_in_its_row_for_the_reaper(store
     assert record.state is S.PENDING and record.published_at is None
     assert record.message == message  # what the reaper publishes after the grace
     writer.close()
+
+
+# -- the threads pool: its threads hand over and wait for the batch -----------------------
+
+
+def test_threads_of_the_writers_process_wait_for_their_batch_and_share_it(store):
+    import threading
+
+    from celery_lease._outcome_writer import hand_over
+
+    ran = [running(store) for _ in range(6)]
+    lost_id, stale, owner = running(store)
+    recover(store, lost_id, owner)
+    app, writer = make_writer(store, flush_interval=60.0)  # only the waiters make it due
+    writer.threads = True
+    plain = SimpleNamespace(chord=None, callbacks=[{"task": "x"}], errbacks=None, chain=None)
+    answers: dict[str, bool | None] = {}
+    seen: dict[str, State] = {}
+
+    def finish(task_id, lease):
+        answers[task_id] = hand_over(
+            app, plain, False, "tests.job", Outcome(lease, S.SUCCEEDED, "succeeded")
+        )
+        seen[task_id] = store.get(task_id).state  # as the caller reads it next
+
+    threads = [
+        threading.Thread(target=finish, args=(task_id, lease))
+        for task_id, lease in [(t, lease) for t, lease, _ in ran] + [(lost_id, stale)]
+    ]
+    for t in threads:
+        t.start()
+    # the writer's thread is not running: every task's thread waits, nothing written
+    wait_until(lambda: writer.waiting() == 7)
+    assert all(t.is_alive() for t in threads)
+    assert all(store.get(task_id).state is S.RUNNING for task_id, _, _ in ran)
+
+    writer.flush()  # one batch: all seven
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert writer.batches == 1 and (writer.written, writer.rejected) == (6, 1)
+    # each thread returned once its row was final, with a follow-up to send (callbacks)
+    assert {answers[t] for t, _, _ in ran} == {True} and answers[lost_id] is False
+    assert {seen[t] for t, _, _ in ran} == {S.SUCCEEDED}
+    assert seen[lost_id] is not S.SUCCEEDED
+    writer.close()
+
+
+def test_the_threads_pool_writer_writes_a_waiting_outcome_at_once(store):
+    import threading
+
+    from celery_lease._outcome_writer import hand_over
+
+    task_id, lease, _ = running(store)
+    app, writer = make_writer(store, flush_interval=60.0)
+    writer.threads = True
+    writer.start()
+    plain = SimpleNamespace(chord=None, callbacks=None, errbacks=None, chain=None)
+    out = []
+    t = threading.Thread(
+        target=lambda: out.append(
+            hand_over(app, plain, False, "tests.job", Outcome(lease, S.CANCELLED, "cancelled"))
+        )
+    )
+    t.start()
+    t.join(10)  # not the 60 s flush interval: a waiting thread's outcome is due at once
+    assert out == [True] and store.get(task_id).state is S.CANCELLED
+    # the main thread (the solo pool) and a worker that is not the threads pool write
+    # their own outcomes
+    other_id, other, _ = running(store)
+    assert hand_over(app, plain, False, "tests.job", Outcome(other, S.SUCCEEDED, "ok")) is None
+    writer.threads = False
+    box = []
+    t = threading.Thread(
+        target=lambda: box.append(
+            hand_over(app, plain, False, "tests.job", Outcome(other, S.SUCCEEDED, "ok"))
+        )
+    )
+    t.start()
+    t.join(10)
+    assert box == [None] and store.get(other_id).state is S.RUNNING
+    writer.close()
+
+
+def test_a_writer_closing_writes_what_the_threads_wait_for(store):
+    import threading
+
+    from celery_lease._outcome_writer import hand_over
+
+    _, lease, _ = running(store)
+    app, writer = make_writer(store)
+    writer.threads = True
+    plain = SimpleNamespace(chord=None, callbacks=None, errbacks=None, chain=None)
+    out = []
+    t = threading.Thread(
+        target=lambda: out.append(
+            hand_over(app, plain, False, "tests.job", Outcome(lease, S.SUCCEEDED, "ok"))
+        )
+    )
+    t.start()
+    wait_until(lambda: writer.waiting() == 1)  # the writer's thread never ran
+    writer.close()  # written at close: the thread goes on
+    t.join(10)
+    assert out == [True] and not t.is_alive()

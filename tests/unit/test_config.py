@@ -58,6 +58,7 @@ DEFAULTS = {
     "outcome_batch_size": 100,
     "outcome_flush_interval": 0.05,
     "outcome_buffer": 1000,
+    "batch_groups": True,
     "claim_ahead": False,
     "claim_batch_size": 100,
     "claim_interval": 0.005,
