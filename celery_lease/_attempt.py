@@ -320,9 +320,8 @@ def outcome(
     if rt is None or rt.incarnation is None:
         return False
     written = Outcome(execution.lease, to, reason, result, error)
-    handed = hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, written)
-    if handed is not None:  # the worker's outcome writer writes it, with others
-        return handed
+    if hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, written):
+        return True  # written by the worker's outcome writer, with others
     ok = rt.store.finish(
         execution.lease,
         to,
@@ -365,9 +364,8 @@ def retry_outcome(
         return "lost"
     if not requeued:
         retry = Outcome(execution.lease, State.RETRY_WAIT, reason, None, error, delay, message)
-        handed = hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, retry)
-        if handed is not None:
-            return "handed_over" if handed else "lost"
+        if hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, retry):
+            return "handed_over"
     written = rt.store.schedule_retry(
         execution.lease,
         delay,

@@ -29,12 +29,6 @@ the publish) is an unpublished PENDING row: the reaper publishes it after
 Written before the worker gives up its heartbeat row (shutdown), and before the main
 process expires the lease of a child it saw die (the child may have handed its
 outcome over just before).
-
-The threads pool runs its tasks in the main process, where Celery reports a task's
-result as soon as the task returns, and a caller may read the row next: there a task's
-thread hands its outcome over the same way and then waits until the batch holding it
-is written (group commit). Such an outcome is written at once, with whatever the other
-threads handed over meanwhile, not after the flush interval.
 """
 
 from __future__ import annotations
@@ -118,8 +112,6 @@ class OutcomeWriter:
         self._write_lock = threading.Lock()
         self._buffer: collections.deque[_Buffered] = collections.deque()
         self._oldest = 0.0
-        #: buffered outcomes whose threads wait for them: written at once
-        self._urgent = 0
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._loop, name="celery-lease-outcomes", daemon=True
@@ -129,26 +121,17 @@ class OutcomeWriter:
         self.rejected = 0
         #: retries written whose message this writer could not publish (the reaper does)
         self.unpublished = 0
-        #: batches written (one statement each on PostgreSQL)
-        self.batches = 0
         #: set by :meth:`close`: later outcomes of this process are written through
         self.closed = False
-        #: the worker's pool runs tasks in threads of this process (set by the worker's
-        #: bootstep): their outcomes are handed over, and their threads wait for them
-        self.threads = False
-        #: outcomes of this process's threads waiting to be written, by lease
-        self._waiters: dict[tuple[str, int, str], _Waiter] = {}
         self._app = app
         _writers[app] = self
 
     # -- the pool side -------------------------------------------------------------
 
-    def hand_over(self, outcome: Outcome, task_name: str, *, wait: bool = False) -> bool:
+    def hand_over(self, outcome: Outcome, task_name: str) -> bool:
         """Give ``outcome`` to the main process's writer; ``False`` when it could not be
         (too large for one datagram, the writer gone or stuck past the timeout): the
-        caller then writes it itself. ``wait``: the caller is a thread of the writer's
-        own process and waits for the outcome with :meth:`wait_written` (registered here,
-        before the writer can read it)."""
+        caller then writes it itself."""
         lease = outcome.lease
         blob = json.dumps(
             [
@@ -163,22 +146,14 @@ class OutcomeWriter:
                 outcome.delay,
                 outcome.message,
                 time.monotonic(),  # the system's clock: the same in every process
-                wait,
             ],
             separators=(",", ":"),
         ).encode()
         if len(blob) > MAX_HAND_OVER:
             return False
-        key = (lease.task_id, lease.attempt, lease.token)
-        if wait:
-            with self._lock:
-                self._waiters[key] = _Waiter()
         try:
             self._send.send(blob)
         except OSError as error:  # EMSGSIZE, a timeout (socket.timeout is an OSError)
-            if wait:
-                with self._lock:
-                    self._waiters.pop(key, None)
             logger.warning(
                 "task %s[%s]: outcome not handed to the writer (%s): written directly",
                 task_name,
@@ -187,18 +162,6 @@ class OutcomeWriter:
             )
             return False
         return True
-
-    def wait_written(self, lease: Lease) -> bool:
-        """Wait until the outcome handed over with ``wait=True`` for ``lease`` is
-        written: ``True`` written, ``False`` rejected (the lease was lost) or never to
-        be written (the writer closed without reaching the database; the lease then
-        expires, and the task re-runs skipping its recorded steps)."""
-        with self._lock:
-            waiter = self._waiters.get((lease.task_id, lease.attempt, lease.token))
-        if waiter is None:
-            return False
-        waiter.event.wait()
-        return waiter.ok
 
     # -- the main process ------------------------------------------------------------
 
@@ -214,20 +177,9 @@ class OutcomeWriter:
                 return
             blob = self._chunk[:size]
             try:
-                (
-                    task_id,
-                    attempt,
-                    token,
-                    to,
-                    reason,
-                    result,
-                    error,
-                    name,
-                    delay,
-                    message,
-                    at,
-                    wait,
-                ) = json.loads(blob)
+                (task_id, attempt, token, to, reason, result, error, name, delay, message, at) = (
+                    json.loads(blob)
+                )
                 lease = Lease(str(task_id), int(attempt), str(token))
                 outcome = Outcome(
                     lease, State(to), str(reason), result, error, float(delay), message
@@ -237,15 +189,12 @@ class OutcomeWriter:
                 continue
             if not self._buffer:
                 self._oldest = time.monotonic()
-            self._buffer.append(_Buffered(outcome, str(name), float(at), bool(wait)))
-            if wait:
-                self._urgent += 1
+            self._buffer.append(_Buffered(outcome, str(name), float(at)))
             crash_point("outcome_buffered")
 
     def _due(self) -> bool:
         return bool(self._buffer) and (
-            self._urgent > 0
-            or len(self._buffer) >= self.batch_size
+            len(self._buffer) >= self.batch_size
             or time.monotonic() - self._oldest >= self.flush_interval
         )
 
@@ -261,16 +210,11 @@ class OutcomeWriter:
             retrying = batch[0].outcome.to is State.RETRY_WAIT
             write = self.store.retry_many if retrying else self.store.finish_many
             answers = write([b.outcome for b in batch], actor=self.actor)
-            self.batches += 1
             with self._lock:
                 for _ in batch:
                     self._buffer.popleft()
                 if self._buffer:
                     self._oldest = time.monotonic()
-                for b, ok in zip(batch, answers, strict=True):
-                    if b.waiting:
-                        self._urgent -= 1
-                        self._release(b.outcome.lease, ok)
             if retrying:
                 crash_point("after_retry_recorded")
                 self._publish([b for b, ok in zip(batch, answers, strict=True) if ok])
@@ -288,13 +232,6 @@ class OutcomeWriter:
                 "retry" if b.outcome.to is State.RETRY_WAIT else f"outcome {b.outcome.to}",
             )
         return len(batch)
-
-    def _release(self, lease: Lease, ok: bool) -> None:
-        """Wake the thread waiting for this outcome (lock held)."""
-        waiter = self._waiters.pop((lease.task_id, lease.attempt, lease.token), None)
-        if waiter is not None:
-            waiter.ok = ok
-            waiter.event.set()
 
     def _next_batch(self) -> list[_Buffered]:
         """The oldest buffered outcomes, up to ``batch_size``, all retries or none: one
@@ -350,11 +287,6 @@ class OutcomeWriter:
             if empty:
                 return
             self._write_batch()
-
-    def waiting(self) -> int:
-        """Threads of this process waiting for their outcomes to be written."""
-        with self._lock:
-            return len(self._waiters)
 
     def buffered(self) -> int:
         """Outcomes read from the children and not written yet."""
@@ -423,12 +355,6 @@ class OutcomeWriter:
             )
             return left
         finally:
-            with self._lock:  # nothing will write these: their threads go on
-                for lease in [b.outcome.lease for b in self._buffer if b.waiting]:
-                    self._release(lease, False)
-                for waiter in self._waiters.values():
-                    waiter.event.set()
-                self._waiters.clear()
             self._recv.close()
             self._send.close()
         return 0
@@ -436,20 +362,12 @@ class OutcomeWriter:
 
 @dataclasses.dataclass(frozen=True)
 class _Buffered:
-    """One outcome read from a pool process: whose task, when it was handed over
-    (``time.monotonic()`` in the child: a retry's countdown runs from then), and
-    whether a thread of this process waits for it."""
+    """One outcome read from a pool process: whose task, and when it was handed over
+    (``time.monotonic()`` in the child: a retry's countdown runs from then)."""
 
     outcome: Outcome
     name: str
     handed_at: float
-    waiting: bool = False
-
-
-@dataclasses.dataclass
-class _Waiter:
-    event: threading.Event = dataclasses.field(default_factory=threading.Event)
-    ok: bool = False
 
 
 def writer_config(cfg: Any) -> dict[str, Any]:
@@ -468,38 +386,28 @@ def hand_over(
     fenced: bool,
     task_name: str,
     outcome: Outcome,
-) -> bool | None:
-    """Hand a pool process's outcome to its worker's writer: ``True`` handed over (or,
-    from a thread of the threads pool, written), ``False`` written and rejected (the
-    lease was lost), ``None`` not handed over: the caller writes it itself
-    (write-through).
+) -> bool:
+    """Hand a pool process's outcome to its worker's writer; ``False``: the caller
+    writes it itself (write-through).
 
     Written through: outcomes other than SUCCEEDED, CANCELLED and a retry carrying its
     message, every outcome with ``lease_outcome_write_through``, a self-fenced
-    worker's (its leases are being expired), the final outcome a pool process hands
-    over for a task with callbacks, a chain or a chord (Celery publishes those
-    follow-ups, or counts the chord, right after the outcome, so the row must be final
-    first, or a worker lost with the outcome buffered would run them again; a retry
-    runs none of them), and a task run in the worker's main process by the solo pool
-    (or ``celery.contrib.pytest``'s in-process worker), where a caller that sees
-    Celery's result may read the row next and must find it final. A thread of the
-    threads pool hands its outcome over and waits for the batch that writes it, so its
-    row is final before Celery reports the result or sends a follow-up.
+    worker's (its leases are being expired), the final outcome of a task with
+    callbacks, a chain or a chord (Celery publishes those follow-ups, or counts the
+    chord, right after the outcome, so the row must be final first, or a worker lost
+    with the outcome buffered would run them again; a retry runs none of them), and
+    a task run in the worker's main process itself (solo and threads pools, and
+    ``celery.contrib.pytest``'s in-process worker): there the caller that sees
+    Celery's result may read the row next, and it must be final.
     """
     if outcome.to not in HANDED_OVER or fenced:
-        return None
+        return False
     retry = outcome.to is State.RETRY_WAIT
     if retry and outcome.message is None:
-        return None
+        return False
     writer = _writers.get(app)
-    if writer is None or writer.closed:
-        return None
-    if os.getpid() == writer.owner:
-        if not writer.threads or threading.current_thread() is threading.main_thread():
-            return None
-        if not writer.hand_over(outcome, task_name, wait=True):
-            return None
-        return writer.wait_written(outcome.lease)
+    if writer is None or writer.closed or os.getpid() == writer.owner:
+        return False
     if not retry and (request.chord or request.callbacks or request.errbacks or request.chain):
-        return None
-    return writer.hand_over(outcome, task_name) or None
+        return False
+    return writer.hand_over(outcome, task_name)

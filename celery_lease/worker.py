@@ -370,12 +370,6 @@ class LeaseStep(bootsteps.StartStopStep):
         self.watcher = _watch_paused_queues(runtime(worker.app), worker)
 
     def start(self, worker: Any) -> None:
-        from celery.concurrency.thread import TaskPool as ThreadsPool
-
-        if self.service.outcomes is not None:
-            # the threads pool runs tasks in this process: they hand their outcomes to
-            # its writer and wait for them (the solo pool writes its own)
-            self.service.outcomes.threads = isinstance(getattr(worker, "pool", None), ThreadsPool)
         self.service.start()
         inc = self.service.incarnation
         self.service.claimer = _claimer.start_for(worker, self.service.rt, inc)
