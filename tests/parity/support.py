@@ -244,18 +244,25 @@ class Parity:
     def wait_started(
         self, side: Side, tag: str, task: str = "gate", timeout: float = 30, step: str | None = None
     ) -> Effect:
-        """Wait until ``task`` of the scenario started (it waits at its gate), and, on
-        the leased side, until the store shows its row RUNNING (and ``step`` recorded
-        as started): a kill after that point hits a claimed, running task (inside that
-        step), never one still being claimed or recording the step."""
+        """Wait until ``task`` of the scenario started (it waits at its gate), the
+        worker's main process has accepted it (its ``task-started`` event: the main
+        process took the pool child's acknowledgement of the job), and, on the leased
+        side, until the store shows its row RUNNING (and ``step`` recorded as
+        started): a kill after that point hits a claimed, running task (inside that
+        step), never one still being claimed or recording the step. Killed before the
+        main process took its acknowledgement, a job is one billiard believes its
+        child died reading, and hands to another child: plain Celery then runs it
+        again instead of losing it."""
 
         def started() -> Effect | None:
             found = [e for short, e in self.effects(side.prefix, tag, "start") if short == task]
             if not found:
                 return None
             effect = found[-1]
+            task_id = json.loads(effect.payload or "{}")["id"]
+            if self.events is not None and "task-started" not in self.events.of(task_id):
+                return None
             if side.leased:
-                task_id = json.loads(effect.payload or "{}")["id"]
                 record = self.p.store.get(task_id)
                 if record is None or record.state is not State.RUNNING:
                     return None
