@@ -305,11 +305,12 @@ class OutcomeWriter:
                     wait = 0.5
                 else:
                     wait = 0.0
-                full = len(self._buffer) >= self.capacity
             if not due:
-                # woken by a hand-over, or when the oldest buffered outcome is due; a full
-                # buffer is not read (the children's hand-over blocks: back-pressure)
-                if not full:
+                # idle: woken by the first hand-over. With a batch pending: asleep until
+                # it is due, what arrives meanwhile waiting in the socket's queue (read
+                # then, with the batch), not woken by every hand-over. A full buffer is
+                # not read either (the children's hand-over blocks: back-pressure).
+                if not self._buffer:
                     select.select([self._recv], [], [], wait)
                 else:
                     self._stopping.wait(wait)
