@@ -61,6 +61,10 @@ logger = logging.getLogger("celery_lease")
 #: unless the row is FAILED, even for a worker lost with the outcome buffered.
 HANDED_OVER = frozenset({State.SUCCEEDED, State.CANCELLED, State.RETRY_WAIT})
 
+#: Longest the writer sleeps, with a batch pending, before it reads what arrived and
+#: checks the batch's size again (its age is checked when it is due).
+_GLANCE = 0.01
+
 #: Send buffer of the hand-over socket: room for a few hundred outcomes.
 _SEND_BUFFER = 1 << 20
 #: Largest outcome handed over (a result of the default ``lease_result_max_bytes``, 64
@@ -306,14 +310,16 @@ class OutcomeWriter:
                 else:
                     wait = 0.0
             if not due:
-                # idle: woken by the first hand-over. With a batch pending: asleep until
-                # it is due, what arrives meanwhile waiting in the socket's queue (read
-                # then, with the batch), not woken by every hand-over. A full buffer is
-                # not read either (the children's hand-over blocks: back-pressure).
+                # idle: woken by the first hand-over. With a batch pending: asleep for
+                # _GLANCE at most, then what arrived meanwhile is read at once and the
+                # batch's size and age checked again, instead of waking on every
+                # hand-over (each wake-up costs the worker's main process, which also
+                # runs Celery's event loop). A full buffer is not read either (the
+                # children's hand-over blocks: back-pressure).
                 if not self._buffer:
                     select.select([self._recv], [], [], wait)
                 else:
-                    self._stopping.wait(wait)
+                    self._stopping.wait(min(wait, _GLANCE))
                 continue
             try:
                 self._write_batch()
