@@ -58,6 +58,34 @@ class Outcome:
     message: str | None = None
 
 
+def _unnest(*columns: tuple[str, str, Any]) -> Any:
+    """PostgreSQL: ``unnest`` of bound arrays as the derived table ``v``; each column
+    is (bind parameter, column name, element type)."""
+    return (
+        func.unnest(*(bindparam(param, type_=ARRAY(kind)) for param, _, kind in columns))
+        .table_valued(*(column(name, kind) for _, name, kind in columns))
+        .render_derived(name="v")
+    )
+
+
+#: The bound arrays naming each element's lease (id, attempt, token).
+_LEASES = (
+    ("b_ids", "id", String),
+    ("b_attempts", "attempt", Integer),
+    ("b_tokens", "token", String),
+)
+
+
+def _running_as(t: Any, v: Any) -> list[Any]:
+    """Each row still RUNNING under the lease of its element of ``v`` (the fence)."""
+    return [
+        t.c.id == v.c.id,
+        t.c.attempt == v.c.attempt,
+        t.c.token == v.c.token,
+        state_is(t, State.RUNNING),
+    ]
+
+
 #: Outcomes a batch writes (the execution's own final states).
 BATCHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
 
@@ -173,35 +201,16 @@ class OutcomesMixin(OutcomeMixin):
         """PostgreSQL: the fenced ``RUNNING -> outcome`` of every element of the bound
         arrays, and its audit rows, as one statement."""
         t = self.t.tasks
-        v = (
-            func.unnest(
-                bindparam("b_ids", type_=ARRAY(String)),
-                bindparam("b_attempts", type_=ARRAY(Integer)),
-                bindparam("b_tokens", type_=ARRAY(String)),
-                bindparam("b_tos", type_=ARRAY(String)),
-                bindparam("b_reasons", type_=ARRAY(Text)),
-                bindparam("b_results", type_=ARRAY(Text)),
-                bindparam("b_errors", type_=ARRAY(Text)),
-            )
-            .table_valued(
-                column("id", String),
-                column("attempt", Integer),
-                column("token", String),
-                column("to_state", String),
-                column("reason", Text),
-                column("result", Text),
-                column("error", Text),
-            )
-            .render_derived(name="v")
+        v = _unnest(
+            *_LEASES,
+            ("b_tos", "to_state", String),
+            ("b_reasons", "reason", Text),
+            ("b_results", "result", Text),
+            ("b_errors", "error", Text),
         )
         moved = (
             update(t)
-            .where(
-                t.c.id == v.c.id,
-                t.c.attempt == v.c.attempt,
-                t.c.token == v.c.token,
-                state_is(t, State.RUNNING),
-            )
+            .where(*_running_as(t, v))
             .values(
                 state=v.c.to_state,
                 updated_at=db_now(),
@@ -302,36 +311,17 @@ class OutcomesMixin(OutcomeMixin):
         """PostgreSQL: the fenced ``RUNNING -> RETRY_WAIT -> PENDING`` of every element
         of the bound arrays, with both audit rows of each, as one statement."""
         t, tr = self.t.tasks, self.t.transitions
-        v = (
-            func.unnest(
-                bindparam("b_ids", type_=ARRAY(String)),
-                bindparam("b_attempts", type_=ARRAY(Integer)),
-                bindparam("b_tokens", type_=ARRAY(String)),
-                bindparam("b_delays", type_=ARRAY(Float)),
-                bindparam("b_reasons", type_=ARRAY(Text)),
-                bindparam("b_errors", type_=ARRAY(Text)),
-                bindparam("b_messages", type_=ARRAY(Text)),
-            )
-            .table_valued(
-                column("id", String),
-                column("attempt", Integer),
-                column("token", String),
-                column("delay", Float),
-                column("reason", Text),
-                column("error", Text),
-                column("message", Text),
-            )
-            .render_derived(name="v")
+        v = _unnest(
+            *_LEASES,
+            ("b_delays", "delay", Float),
+            ("b_reasons", "reason", Text),
+            ("b_errors", "error", Text),
+            ("b_messages", "message", Text),
         )
         published = bindparam("b_published", type_=Text)
         moved = (
             update(t)
-            .where(
-                t.c.id == v.c.id,
-                t.c.attempt == v.c.attempt,
-                t.c.token == v.c.token,
-                state_is(t, State.RUNNING),
-            )
+            .where(*_running_as(t, v))
             .values(
                 state=State.PENDING.value,
                 updated_at=db_now(),

@@ -28,7 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from ..config import LeaseConfig
-from ..states import State
+from ..states import Actor, State
 from . import _engine
 from ._base import TransitionEvent, state_is
 from ._executor import Executor
@@ -185,21 +185,29 @@ class ProducerMixin(TotalsMixin):
             .limit(1)
         )
 
-    def _submit_pg(self, countdown: bool) -> Any:
-        t, tr = self.t.tasks, self.t.transitions
-        inserted = self._submit_insert(countdown).cte("inserted")
-        audit = insert(tr).from_select(
-            ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
-            select(
-                inserted.c.id,
-                null(),
-                literal(State.PENDING.value, String),
-                literal("submitted", Text),
-                literal("producer", String),
-                literal(0, Integer),
-                db_now(),
-            ),
+    def _submitted_audit(self, inserted: Any) -> Any:
+        """PostgreSQL: the ``None -> PENDING`` audit rows of the rows a CTE inserted,
+        as CTE ``audit``."""
+        return (
+            insert(self.t.transitions)
+            .from_select(
+                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+                select(
+                    inserted.c.id,
+                    null(),
+                    literal(State.PENDING.value, String),
+                    literal("submitted", Text),
+                    literal(Actor.PRODUCER.value, String),
+                    literal(0, Integer),
+                    db_now(),
+                ),
+            )
+            .cte("audit")
         )
+
+    def _submit_pg(self, countdown: bool) -> Any:
+        t = self.t.tasks
+        inserted = self._submit_insert(countdown).cte("inserted")
         marked = self._mark_statement(
             t.c.id == any_(bindparam("b_marks", type_=postgresql.ARRAY(String)))
         )
@@ -208,7 +216,7 @@ class ProducerMixin(TotalsMixin):
         return select(
             select(inserted.c.id).scalar_subquery().label("created"),
             self._existing().scalar_subquery().label("existing"),
-        ).add_cte(audit.cte("audit"), marked.cte("marked"))
+        ).add_cte(self._submitted_audit(inserted), marked.cte("marked"))
 
     def _mark_statement(self, which: ColumnElement[bool]) -> Any:
         t = self.t.tasks

@@ -35,9 +35,7 @@ from sqlalchemy import (
     cast,
     column,
     func,
-    insert,
     literal,
-    null,
     or_,
     select,
 )
@@ -112,19 +110,7 @@ class SubmitManyMixin(ProducerMixin):
             stmt = self._prepared("submit_many", self._submit_many_pg)
             doc = json.dumps([_json_row(new, i) for i, new in enumerate(rows)])
             created.update(str(i) for i in conn.execute(stmt, {"b_rows": doc}).scalars())
-            for new in rows:
-                if new.id in created:
-                    self._record_event(
-                        TransitionEvent(
-                            new.id,
-                            new.name,
-                            None,
-                            State.PENDING,
-                            "submitted",
-                            Actor.PRODUCER.value,
-                            0,
-                        )
-                    )
+            self._announce_submitted(rows, created)
             return self._answer(conn, rows, created, is_retry)
         # the single-row statements of submit(), built once and run as executemany:
         # SQLAlchemy sends each as multi-row INSERT ... VALUES pages ("insertmanyvalues")
@@ -150,20 +136,18 @@ class SubmitManyMixin(ProducerMixin):
                 if new.id in created
             ]
             conn.execute(self._prepared("audit", self._audit_insert), audit)
-            for new in rows:
-                if new.id in created:
-                    self._record_event(
-                        TransitionEvent(
-                            new.id,
-                            new.name,
-                            None,
-                            State.PENDING,
-                            "submitted",
-                            Actor.PRODUCER.value,
-                            0,
-                        )
-                    )
+            self._announce_submitted(rows, created)
         return self._answer(conn, rows, created, is_retry)
+
+    def _announce_submitted(self, rows: Sequence[NewTask], created: set[str]) -> None:
+        """The ``None -> PENDING`` transitions of the rows created, for the listeners."""
+        for new in rows:
+            if new.id in created:
+                self._record_event(
+                    TransitionEvent(
+                        new.id, new.name, None, State.PENDING, "submitted", Actor.PRODUCER.value, 0
+                    )
+                )
 
     def _answer(
         self, conn: Connection, rows: Sequence[NewTask], created: set[str], is_retry: bool
@@ -198,7 +182,7 @@ class SubmitManyMixin(ProducerMixin):
 
     def _submit_many_pg(self) -> Any:
         """PostgreSQL: a batch of PENDING rows and their audit rows, one statement."""
-        t, tr = self.t.tasks, self.t.transitions
+        t = self.t.tasks
         v = (
             func.json_to_recordset(cast(bindparam("b_rows", type_=Text), JSON))
             .table_valued(*(column(c, kind) for c, kind in _FIELDS))
@@ -220,16 +204,4 @@ class SubmitManyMixin(ProducerMixin):
             .returning(t.c.id)
             .cte("inserted")
         )
-        audit = insert(tr).from_select(
-            ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
-            select(
-                inserted.c.id,
-                null(),
-                literal(State.PENDING.value, String),
-                literal("submitted", Text),
-                literal(Actor.PRODUCER.value, String),
-                literal(0, Integer),
-                db_now(),
-            ),
-        )
-        return select(inserted.c.id).add_cte(audit.cte("audit"))
+        return select(inserted.c.id).add_cte(self._submitted_audit(inserted))

@@ -31,7 +31,7 @@ from celery_lease.states import STEP_DONE
 from celery_lease.testing import wait_until
 
 from .faults import proxy_to_postgres
-from .support import LeaseEnv, pg_only
+from .support import LeasedProject, LeaseEnv, pg_only
 
 DATABASE_URL_ENV = "TEST_CONF_LEASE_DATABASE_URL"
 
@@ -108,17 +108,27 @@ def test_row21_database_unreachable_with_the_outcome_buffered(
 # -- retries handed to the writer ------------------------------------------------------------
 
 
+def retry_killed_at(
+    lease_env: LeaseEnv, request: pytest.FixtureRequest, broker: str, point: str
+) -> tuple[LeasedProject, str]:
+    """A worker that dies at crash point ``point`` while its pool process retries a
+    task once (``t.retry_then_ok``); the task's id, once the whole worker is gone."""
+    p = lease_env.project(broker_url=request.getfixturevalue(f"{broker}_url"))
+    crashing = p.worker("w1", env={"CELERY_LEASE_CRASH_AT": point})
+    task_id = p.submit("t.retry_then_ok", 1)
+    # the whole worker died: the crash point fired in its main process (the writer),
+    # where a retry written by the pool process would have ended only that process
+    wait_until(lambda: not crashing.is_alive(), timeout=60, message="the worker never died")
+    return p, task_id
+
+
 @pytest.mark.parametrize("broker", ["redis", "amqp"])
 def test_row20_whole_worker_killed_with_a_retry_buffered(
     lease_env: LeaseEnv, request: pytest.FixtureRequest, broker: str
 ) -> None:
     # a pool process's self.retry() is handed to the writer: the worker dies with it
     # buffered, before the row or the retry's message was written
-    p = lease_env.project(broker_url=request.getfixturevalue(f"{broker}_url"))
-    crashing = p.worker("w1", env={"CELERY_LEASE_CRASH_AT": "outcome_buffered"})
-    task_id = p.submit("t.retry_then_ok", 1)
-
-    wait_until(lambda: not crashing.is_alive(), timeout=60, message="the worker never died")
+    p, task_id = retry_killed_at(lease_env, request, broker, "outcome_buffered")
     record = p.get(task_id)
     assert (record.state, record.attempt, record.retries) == (State.RUNNING, 1, 0)
     assert p.external.count("retry_then_ok") == 1
@@ -140,13 +150,7 @@ def test_row1_worker_killed_after_writing_a_retry_before_publishing_it(
 ) -> None:
     # the writer committed the retry (PENDING, its message stored) and died before
     # sending the message: the row is its outbox, the reaper publishes it
-    p = lease_env.project(broker_url=request.getfixturevalue(f"{broker}_url"))
-    crashing = p.worker("w1", env={"CELERY_LEASE_CRASH_AT": "after_retry_recorded"})
-    task_id = p.submit("t.retry_then_ok", 1)
-
-    # the whole worker died: the crash point fired in its main process (the writer),
-    # where a retry written by the pool process would have ended only that process
-    wait_until(lambda: not crashing.is_alive(), timeout=60, message="the worker never died")
+    p, task_id = retry_killed_at(lease_env, request, broker, "after_retry_recorded")
     record = p.get(task_id)
     assert (record.state, record.retries, record.published_at) == (State.PENDING, 1, None)
     assert p.trail(task_id)[-2:] == [("RUNNING", "RETRY_WAIT"), ("RETRY_WAIT", "PENDING")]

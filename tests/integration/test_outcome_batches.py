@@ -242,14 +242,14 @@ def test_a_batch_of_retries_is_one_statement_on_postgresql_and_one_transaction_o
 # -- the outcome writer: hand-over from a forked pool process, back-pressure -------------
 
 
-def make_writer(store, **overrides):
+def make_writer(store, app=None, **overrides):
     from celery import Celery
 
     from celery_lease._outcome_writer import OutcomeWriter
 
     options = {"batch_size": 100, "flush_interval": 0.0, "buffer": 1000, "hand_over_timeout": 5.0}
     options.update(overrides)
-    app = Celery("writer-test", set_as_current=False)
+    app = app or Celery("writer-test", set_as_current=False)
     return app, OutcomeWriter(app, store, "worker:w1@host", **options)
 
 
@@ -393,7 +393,6 @@ def test_the_writer_publishes_a_retry_after_writing_its_row(store, redis_url):
     import redis
 
     from celery_lease import _message
-    from celery_lease._outcome_writer import OutcomeWriter
 
     app, job = retry_app(redis_url)
     queue = f"writer-retry-{uuid.uuid4().hex[:8]}"
@@ -402,15 +401,7 @@ def test_the_writer_publishes_a_retry_after_writing_its_row(store, redis_url):
         task_id: _message.build(job, (1,), {}, task_id, queue=queue).stored()
         for task_id in (soon_id, later_id)
     }
-    writer = OutcomeWriter(
-        app,
-        store,
-        "worker:w1@host",
-        batch_size=100,
-        flush_interval=0.0,
-        buffer=100,
-        hand_over_timeout=5.0,
-    )
+    _, writer = make_writer(store, app)
     assert writer.hand_over(retry_of(soon, 0.0, message=messages[soon_id]), "tests.job")
     assert writer.hand_over(retry_of(later, 60.0, message=messages[later_id]), "tests.job")
     writer.flush()
@@ -437,20 +428,11 @@ def test_the_writer_publishes_a_retry_after_writing_its_row(store, redis_url):
 
 def test_a_retry_the_writer_cannot_publish_stays_in_its_row_for_the_reaper(store):
     from celery_lease import _message
-    from celery_lease._outcome_writer import OutcomeWriter
 
     app, job = retry_app("redis://127.0.0.1:1/0")  # nothing listens there
     task_id, lease, _ = running(store)
     message = _message.build(job, (1,), {}, task_id).stored()
-    writer = OutcomeWriter(
-        app,
-        store,
-        "worker:w1@host",
-        batch_size=100,
-        flush_interval=0.0,
-        buffer=100,
-        hand_over_timeout=5.0,
-    )
+    _, writer = make_writer(store, app)
     assert writer.hand_over(retry_of(lease, 0.0, message=message), "tests.job")
     writer.flush()  # the broker's error is not the writer's: nothing is lost
     assert (writer.written, writer.unpublished) == (1, 1)
