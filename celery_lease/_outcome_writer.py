@@ -212,8 +212,18 @@ class OutcomeWriter:
             if not batch:
                 return 0
             retrying = batch[0].outcome.to is State.RETRY_WAIT
+            outcomes = [b.outcome for b in batch]
+            if retrying:
+                # due when its pool process asked: the time spent in the buffer is taken
+                # off the row's countdown, and the message goes out after the row with
+                # the same countdown, so it is never due before the row is
+                now = time.monotonic()
+                outcomes = [
+                    dataclasses.replace(o, delay=max(0.0, o.delay - (now - b.handed_at)))
+                    for o, b in zip(outcomes, batch, strict=True)
+                ]
             write = self.store.retry_many if retrying else self.store.finish_many
-            answers = write([b.outcome for b in batch], actor=self.actor)
+            answers = write(outcomes, actor=self.actor)
             with self._lock:
                 for _ in batch:
                     self._buffer.popleft()
@@ -221,7 +231,7 @@ class OutcomeWriter:
                     self._oldest = time.monotonic()
             if retrying:
                 crash_point("after_retry_recorded")
-                self._publish([b for b, ok in zip(batch, answers, strict=True) if ok])
+                self._publish([o for o, ok in zip(outcomes, answers, strict=True) if ok])
         for b, ok in zip(batch, answers, strict=True):
             if ok:
                 self.written += 1
@@ -250,18 +260,17 @@ class OutcomeWriter:
             batch.append(b)
         return batch
 
-    def _publish(self, retries: list[_Buffered]) -> None:
+    def _publish(self, retries: list[Outcome]) -> None:
         """Send the messages of retries just written (PENDING, not yet marked published),
-        each due when its pool process asked; what cannot be sent is the reaper's."""
+        each with the countdown its row was written with; what cannot be sent is the
+        reaper's."""
         sent: list[str] = []
-        for n, b in enumerate(retries):
-            o = b.outcome
+        for n, o in enumerate(retries):
             if o.message is None:  # never from a retry() (it always carries its message)
                 self.unpublished += 1
                 continue
-            left = o.delay - (time.monotonic() - b.handed_at)
             try:
-                _message.send_stored(self._app, o.message, countdown=max(0.0, left))
+                _message.send_stored(self._app, o.message, countdown=o.delay)
             except Exception as error:  # the broker: the row is the outbox
                 self.unpublished += len(retries) - n
                 logger.warning(

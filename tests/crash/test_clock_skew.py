@@ -89,10 +89,13 @@ def test_worker_with_a_skewed_clock_behaves_the_same(
     waits = [i for i, r in enumerate(trail) if r.to_state is State.RETRY_WAIT]
     assert len(waits) == 2
     for i in waits:
-        wait, due, claim = trail[i], trail[i + 1], trail[i + 2]
+        began, due, claim = trail[i - 1], trail[i + 1], trail[i + 2]
+        assert (began.from_state, began.to_state) == (State.PENDING, State.RUNNING), began
         assert (due.from_state, due.to_state) == (State.RETRY_WAIT, State.PENDING), due
         assert (claim.from_state, claim.to_state) == (State.PENDING, State.RUNNING), claim
-        assert (claim.at - wait.at).total_seconds() >= 0.3 - 0.01, (wait, claim)
+        # the attempt called retry() after its claim: its retry runs no sooner than the
+        # countdown after that claim, in database time
+        assert (claim.at - began.at).total_seconds() >= 0.3 - 0.01, (began, claim)
 
     # 2. live leases on both workers, swept by the skewed reaper for 3 TTLs: none expires
     normal = p.worker("normal")

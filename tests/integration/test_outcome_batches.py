@@ -419,6 +419,8 @@ def test_the_writer_publishes_a_retry_after_writing_its_row(store, redis_url):
     # the rest of its countdown: due in about a minute, by the message's ETA
     eta = datetime.fromisoformat(headers[later_id]["eta"])
     assert 50 < (eta - datetime.now(timezone.utc)).total_seconds() <= 60
+    # the message is never due before its row (a claim then would be refused as early)
+    assert eta >= store.get(later_id).eta
     for task_id in (soon_id, later_id):
         record = store.get(task_id)
         assert record.state is S.PENDING and record.retries == 1

@@ -29,20 +29,24 @@ MATRIX = pytest.mark.parametrize(
 
 
 def retry_gaps(p: LeasedProject, task_id: str) -> list[float]:
-    """Database seconds between each RUNNING -> RETRY_WAIT and the claim of the retry.
+    """Database seconds between the claim of each attempt that retried and the claim
+    of its retry (the attempt calls ``retry()`` after its claim: the retry must not
+    run before its countdown from then).
 
-    The worker that retries publishes the retry itself, at once (RETRY_WAIT -> PENDING
-    in the same transaction, by the same worker): the countdown is the message's ETA."""
+    The worker that retries publishes the retry itself (RETRY_WAIT -> PENDING in the
+    same statement, by the same worker, its outcome writer's): the countdown is the
+    message's ETA, and the row's."""
     trail = p.store.history(task_id)
     gaps = []
     for i, row in enumerate(trail):
         if row.to_state is State.RETRY_WAIT:
-            nxt, claim = trail[i + 1], trail[i + 2]
+            began, nxt, claim = trail[i - 1], trail[i + 1], trail[i + 2]
+            assert (began.from_state, began.to_state) == (State.PENDING, State.RUNNING), began
             assert (nxt.from_state, nxt.to_state) == (State.RETRY_WAIT, State.PENDING), nxt
             assert nxt.actor == row.actor and nxt.actor.startswith("worker:"), nxt
             assert (nxt.at - row.at).total_seconds() < 0.3, (row, nxt)
             assert (claim.from_state, claim.to_state) == (State.PENDING, State.RUNNING), claim
-            gaps.append((claim.at - row.at).total_seconds())
+            gaps.append((claim.at - began.at).total_seconds())
     return gaps
 
 
