@@ -53,3 +53,12 @@ def double(self: LeasedTask) -> str:
     # declared idempotent, yet calls without a key: a re-run repeats the effect
     self.step("send", side_effects().call, "send", idempotent=True)
     return "sent"
+
+
+@app.task(base=LeasedTask, bind=True, name="kit.notify")
+def notify(self: LeasedTask, order: int, by_task: bool) -> str:
+    # the stand-in deduplicates on the key: one built from the arguments is shared by
+    # every task sent with those arguments, one from idempotency_key() by one task's attempts
+    key = self.idempotency_key("notify") if by_task else f"notify:{order}"
+    self.step("notify", side_effects().call, "notify", key=key, idempotent=True)
+    return "notified"

@@ -19,7 +19,7 @@ from celery_lease.testing import (
     crash_points,
 )
 
-from .kitapp import double, other, pay
+from .kitapp import double, notify, other, pay
 
 
 def _reach(directory: str) -> None:
@@ -130,3 +130,22 @@ def test_assert_crash_safe_passes_a_safe_task_and_names_the_unsafe_point(
     # an "idempotent" step that repeats its effect on a re-run is caught
     with pytest.raises(AssertionError, match=r"after_step:send: effects \{'send': 2\}"):
         assert_crash_safe(lease_worker, double.delay, effects=lease_effects)
+
+
+def test_a_key_from_the_arguments_fails_the_matrix_and_idempotency_key_passes(
+    lease_worker: LeaseWorker, lease_effects: SideEffects
+):
+    # the counter spans every run of the matrix and each run sends the same arguments:
+    # a key built from them is answered from the baseline's effect in every later run
+    # (docs/testing.md, "Every crash point at once")
+    point = [CrashPoint.before_step(notify, "notify")]
+    with pytest.raises(
+        AssertionError, match=r"before_step:notify: effects \{\}, expected \{'notify': 1\}"
+    ):
+        assert_crash_safe(
+            lease_worker, lambda: notify.delay(7, False), effects=lease_effects, points=point
+        )
+    matrix = assert_crash_safe(
+        lease_worker, lambda: notify.delay(7, True), effects=lease_effects, points=point
+    )
+    assert matrix.baseline.effects == matrix["before_step:notify"].effects == {"notify": 1}
