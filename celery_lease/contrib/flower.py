@@ -71,8 +71,8 @@ def format_task(task: Any) -> Any:
     if isinstance(state, str) and state in _STATE_NAMES:
         task.state = _STATE_NAMES[state]
     elif state not in _LEASE_STATES and _newer(lease.get("lease_at"), task):
-        # Celery's state precedence keeps FAILURE (a worker reporting its lost pool child)
-        # over any later custom state; the lease's decision came after it
+        # Celery's state precedence keeps FAILURE (reported by a worker without the
+        # lease's service) over any later custom state; the lease's decision came after it
         task.state = lease["lease_state"]
     fields = tuple(getattr(task, "_fields", ()))
     task._fields = fields + tuple(f for f in LEASE_FIELDS if f not in fields)

@@ -101,8 +101,9 @@ def test_format_task_leaves_tasks_without_lease_events_alone() -> None:
 
 
 def test_a_lease_decision_after_a_worker_reported_failure_is_shown() -> None:
-    # a worker running with -E reports its lost pool child as task-failed; Celery's
-    # precedence keeps FAILURE when the lease's later decision arrives
+    # a task-failed from the worker itself (a leased worker never sends one for a lost
+    # pool child, but a worker without the lease's service does); Celery's precedence
+    # keeps FAILURE when the lease's later decision arrives
     tid, now = str(uuid.uuid4()), time.time()
     state = replay(
         Event("task-started", uuid=tid, hostname="w1@h", timestamp=now - 2),
