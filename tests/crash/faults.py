@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -128,6 +129,30 @@ def run_reaper(
         timeout=timeout,
         check=False,
     )
+
+
+@contextlib.contextmanager
+def reaper_loop(project: WorkerProject, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``celery -A <module> lease reap --loop --json`` in its own process group (a
+    standalone reaper, as the docs offer one; one JSON report a line per sweep in
+    ``log``), SIGKILLed with its group at the end."""
+    argv = ["-m", "celery", "-A", project.module, "lease", "reap", "--loop", "--json"]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=project.directory,
+            env=subprocess_env(project),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
 
 def assert_crashed(proc: subprocess.CompletedProcess[str], point: str) -> None:

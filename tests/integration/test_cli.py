@@ -21,6 +21,7 @@ from click.testing import CliRunner, Result
 
 from celery_lease import State
 from celery_lease.cli import lease, parse_duration
+from celery_lease.store.schema import SCHEMA_VERSION
 
 from .test_cli_support import Ops, ops_fixture  # noqa: F401  (the ops fixture)
 
@@ -174,6 +175,34 @@ def test_stats_and_workers(ops: Ops) -> None:
     assert {w["nodename"] for w in rows} >= {"busy@ops-test"}
 
 
+def test_the_worker_filter_and_stopped_workers(ops: Ops) -> None:
+    # reference-cli.md: --worker is a node name or the incarnation id of the latest
+    # attempt's owner, on list and on the bulk actions; workers --all adds the stopped
+    on_w1 = ops.wait_manual(nodename="w1@ops-test")
+    on_w2 = ops.wait_manual(nodename="w2@ops-test")
+    w1 = ops.store.get(on_w1)
+    assert w1 is not None and w1.owner is not None
+    assert run(ops, "list", "-q", "--worker", "w1@ops-test").stdout.split() == [on_w1]
+    assert run(ops, "list", "-q", "-w", w1.owner).stdout.split() == [on_w1]
+
+    dry = run(ops, "retry", "--worker", "w2@ops-test", "--reason", "relay up", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert on_w2 in dry.stdout and on_w1 not in dry.stdout
+    assert ops.state(on_w2) is State.WAIT_MANUAL
+    done = run(ops, "retry", "-w", "w2@ops-test", "--reason", "relay up", "--json")
+    assert done.exit_code == 0, done.output
+    assert [t["id"] for t in json.loads(done.stdout)["changed"]] == [on_w2]
+    assert (ops.state(on_w1), ops.state(on_w2)) == (State.WAIT_MANUAL, State.PENDING)
+
+    ops.store.stop_worker(w1.owner, "shut down")
+    nodes = [line.split()[0] for line in run(ops, "workers").stdout.splitlines()[1:]]
+    assert "w2@ops-test" in nodes and "w1@ops-test" not in nodes
+    every = run(ops, "workers", "--all")
+    assert every.exit_code == 0, every.output
+    stopped = next(line for line in every.stdout.splitlines() if line.startswith("w1@ops-test"))
+    assert stopped.split()[3] == "stopped"
+
+
 # -- acting -------------------------------------------------------------------------------
 
 
@@ -318,9 +347,9 @@ def test_migrate_creates_then_reports_up_to_date(
     obj = CLIContext(app=app, no_color=True, workdir=None)
     first = CliRunner().invoke(lease, ["migrate"], obj=obj, catch_exceptions=False)
     assert first.exit_code == 0, first.output
-    assert "migrated schema from nothing to version" in first.stdout
+    assert f"migrated schema from nothing to version {SCHEMA_VERSION}" in first.stdout
     again = CliRunner().invoke(lease, ["migrate"], obj=obj, catch_exceptions=False)
-    assert "schema is up to date" in again.stdout
+    assert f"schema is up to date (version {SCHEMA_VERSION})" in again.stdout
     assert fresh.schema_version() is not None
 
 
