@@ -145,6 +145,39 @@ def test_a_worker_started_while_the_database_refuses_waits_for_it(
         proxy.close()
 
 
+def test_a_worker_that_never_reaches_the_database_exits_78(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    # settings.md: it retries for up to lease_db_startup_timeout, then exits 78; with
+    # lease_db_retry_on_startup = False it exits 78 without retrying
+    p = lease_env.project(broker_url=redis_url)
+    proxy = TcpProxy()  # never listening: every connect is refused
+    try:
+        url = proxy.url(p.store.config.database_url)
+        waits = p.worker(
+            "waits",
+            env={DATABASE_URL_ENV: url, "TEST_CONF_LEASE_DB_STARTUP_TIMEOUT": "2"},
+            ready=False,
+        )
+        # the setting is read: the first retry gives up within its 2 s, not the default 60
+        p.wait_log(
+            waits, r"retrying in .*\(giving up in [0-2] s, lease_db_startup_timeout\)", timeout=60
+        )
+        at_once = p.worker(
+            "at-once",
+            env={DATABASE_URL_ENV: url, "TEST_CONF_LEASE_DB_RETRY_ON_STARTUP": "false"},
+            ready=False,
+        )
+        for worker in (waits, at_once):
+            assert worker.proc is not None
+            worker.proc.wait(120)
+            assert worker.returncode == 78, worker.log_tail()
+            assert "cannot start" in worker.log_text(since_start=True), worker.log_tail()
+        assert "retrying in" not in at_once.log_text(since_start=True), at_once.log_tail()
+    finally:
+        proxy.close()
+
+
 def test_a_worker_with_a_configuration_error_exits_at_once(
     lease_env: LeaseEnv, redis_url: str
 ) -> None:
