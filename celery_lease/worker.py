@@ -172,7 +172,10 @@ class WorkerService:
             _publisher.publish(self.rt.app, self.store, self.store.take_pending([task_id]))
         elif kind == "revoked":
             try:
-                self.store.request_cancel(task_id, actor=inc.actor, reason=reason)
+                # a revoke sent by the lease's own cancel keeps that request (who, why)
+                self.store.request_cancel(
+                    task_id, actor=inc.actor, reason=reason, keep_earlier=True
+                )
             except Exception as error:
                 logger.info("task %s: revoke not recorded: %s", task_id, error)
 

@@ -92,23 +92,37 @@ class OperatorMixin(ReadsMixin, TotalsMixin):
         self._move(conn, [t.c.id == task_id], frm, to, reason=reason, actor=actor, values=values)
         return frm
 
-    def request_cancel(self, task_id: str, *, actor: str, reason: str) -> State:
+    def request_cancel(
+        self, task_id: str, *, actor: str, reason: str, keep_earlier: bool = False
+    ) -> State:
         """Cancel a task: at once unless RUNNING, where the request waits for the task
-        to reach a step boundary. Returns the state found."""
+        to reach a step boundary. Returns the state found. With ``keep_earlier`` a
+        request already recorded for the RUNNING task (who asked, and why) is kept."""
         return self._tx(
-            lambda conn, _: self._request_cancel_in(conn, task_id, actor=actor, reason=reason)
+            lambda conn, _: self._request_cancel_in(
+                conn, task_id, actor=actor, reason=reason, keep_earlier=keep_earlier
+            )
         )
 
     def _request_cancel_in(
-        self, conn: Connection, task_id: str, *, actor: str, reason: str
+        self,
+        conn: Connection,
+        task_id: str,
+        *,
+        actor: str,
+        reason: str,
+        keep_earlier: bool = False,
     ) -> State:
         """:meth:`request_cancel` inside the caller's transaction (bulk actions)."""
         t = self.t.tasks
         frm = self._lock_state(conn, task_id)
         if frm is State.RUNNING:
+            where = [t.c.id == task_id, t.c.state == State.RUNNING.value]
+            if keep_earlier:
+                where.append(t.c.cancel_requested_at.is_(None))
             conn.execute(
                 update(t)
-                .where(t.c.id == task_id, t.c.state == State.RUNNING.value)
+                .where(*where)
                 .values(cancel_requested_at=db_now(), cancel_actor=actor, cancel_reason=reason)
             )
             return frm

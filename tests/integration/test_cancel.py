@@ -16,8 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
 
 from celery_lease import IllegalTransition, State, TaskNotFound, admin
+from celery_lease.cli import lease
 from celery_lease.store import Store
 
 from ..helpers import ExternalSystem, WorkerProject, pid_alive, wait_step, wait_until
@@ -257,6 +260,31 @@ def test_terminate_kills_the_child_and_the_expiry_policy_decides(setup, external
     assert external.count("first") == 1 and external.count("unreachable") == 0
     assert store.get(result.id).attempt == 1  # type: ignore[union-attr]
     assert [h.to_state for h in store.history(result.id)][-2:] == [State.TIMEOUT, final]
+
+
+def test_the_cli_cancel_terminate_kills_a_task_that_never_reaches_a_boundary(setup, external):
+    # reference-cli.md, operators-guide.md: `celery -A proj lease cancel ID --terminate`
+    project, store, mod = setup()
+    worker = project.worker().wait_ready(store=store)
+    (child,) = worker.wait_children(1)
+    result = mod.stuck.delay("no-step")
+    wait_step(store, result.id, "first")
+
+    obj = CLIContext(app=mod.app, no_color=True, workdir=None)
+    args = ["cancel", result.id, "--terminate", "--actor", "dave", "--reason", "runaway"]
+    done = CliRunner().invoke(lease, args, obj=obj, catch_exceptions=False)
+
+    assert done.exit_code == 0, done.output
+    assert done.stdout.strip() == f"{result.id}: RUNNING, cancel requested (killed)"
+    wait_state(store, result.id, State.CANCELLED)
+    wait_until(lambda: not pid_alive(child), message="the pool child was killed")
+    record = store.get(result.id)
+    assert record is not None and record.attempt == 1
+    # the operator's request (who, why) is kept: the revoke it sent is not a new one
+    assert (record.cancel_actor, record.cancel_reason) == ("dave", "runaway")
+    assert worker.is_alive()
+    run_sentinel(mod, store, external)  # the task is not run again
+    assert external.count("first") == 1 and external.count("unreachable") == 0
 
 
 def test_terminate_is_ignored_for_a_task_that_is_not_running(setup, external):

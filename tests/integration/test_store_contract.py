@@ -998,6 +998,22 @@ def test_cancel_outside_running_is_immediate(store, where):
     assert isinstance(store.claim(task_id, register(store), "w"), Refusal)
 
 
+def test_a_cancel_request_that_keeps_an_earlier_one_changes_nothing_else(store):
+    # the worker records a revoke with terminate as a request; the lease's own cancel
+    # (an operator's, who and why) sent that revoke and must not be overwritten by it
+    task_id, _, _ = running(store)
+    assert (
+        store.request_cancel(task_id, actor="w", reason="revoked", keep_earlier=True) is S.RUNNING
+    )
+    record = store.get(task_id)
+    assert (record.cancel_actor, record.cancel_reason) == ("w", "revoked")
+    other, _, _ = running(store)
+    store.request_cancel(other, actor="alice", reason="runaway")
+    store.request_cancel(other, actor="w", reason="revoked", keep_earlier=True)
+    record = store.get(other)
+    assert (record.cancel_actor, record.cancel_reason) == ("alice", "runaway")
+
+
 def test_cancel_while_running_is_a_request_the_task_acknowledges(store):
     task_id, lease, _ = running(store)
     assert store.check_lease(lease).cancel_requested is False
