@@ -333,3 +333,23 @@ def test_lease_check_command(
     assert [(v["kind"], v["task_id"]) for v in report["violations"]] == [
         ("state_mismatch", lease.task_id)
     ]
+
+    # liveness: a RUNNING row whose owner never registered is a dead owner; --grace
+    # allows that many seconds beyond each liveness deadline (reference-cli.md)
+    dead = running(store, owner="no-such-incarnation")
+
+    def found(*args: str) -> list[tuple[str, str]]:
+        done = lease_check("--json", *args)
+        assert done.returncode == 5, (done.stdout, done.stderr)
+        return [(v["kind"], v["task_id"]) for v in json.loads(done.stdout)["violations"]]
+
+    strict = wait_until(
+        lambda: (
+            ("dead_owner", dead.task_id) in (got := found("--grace", "0", "--no-workers")) and got
+        ),
+        timeout=30,
+        message="the dead owner reported",
+    )
+    assert ("state_mismatch", lease.task_id) in strict
+    lenient = found("--grace", "3600", "--workers-timeout", "0.5")
+    assert lenient == [("state_mismatch", lease.task_id)]
