@@ -267,3 +267,20 @@ def test_the_documented_schema_version_is_the_codes():
     ]
     assert len(found) >= 3
     assert [(page, v) for page, v in found if v != SCHEMA_VERSION] == []
+
+
+def test_every_celery_lease_variable_in_the_docs_is_a_setting_or_read_by_the_code():
+    # CELERY_LEASE_TTL: a setting in Django's CELERY_ namespace; CELERY_LEASE_DATABASE_URL
+    # also an environment variable: every other one must be read somewhere in the code
+    text = "\n".join(doc_pages().values())
+    used = set(re.findall(r"\bCELERY_LEASE_[A-Z0-9_]+\b", text))
+    django = {f"CELERY_{key.upper()}" for key in SETTINGS}
+    sources = [
+        p
+        for folder in ("celery_lease", "tests", "benchmarks", "scripts")
+        for p in (REPO_ROOT / folder).rglob("*.py")
+    ]
+    read = set()
+    for path in sources:
+        read |= set(re.findall(r"[\"'](CELERY_LEASE_[A-Z0-9_]+)[\"']", path.read_text()))
+    assert sorted(used - django - read) == []
