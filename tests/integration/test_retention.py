@@ -80,6 +80,15 @@ def test_batches_are_bounded_and_the_counter_adds_up(store: Store) -> None:
     assert store.counters()["purged"] == 5
 
 
+def test_lease_retention_batch_size_bounds_each_delete(make_store: Callable[..., Store]) -> None:
+    # settings.md: "Rows deleted per retention transaction"
+    store = make_store(retention_batch_size=2)
+    ids = [finished(store) for _ in range(3)]
+    aged(store, ids, 0.2)
+    assert [store.purge_expired(0.1) for _ in range(3)] == [2, 1, 0]
+    assert store.counters()["purged"] == 3
+
+
 def test_a_purged_dedup_key_can_be_submitted_again(store: Store) -> None:
     first = finished(store, dedup_key="export:42")
     again, created = store.submit(new_task(dedup_key="export:42"))
