@@ -284,3 +284,20 @@ def test_every_celery_lease_variable_in_the_docs_is_a_setting_or_read_by_the_cod
     for path in sources:
         read |= set(re.findall(r"[\"'](CELERY_LEASE_[A-Z0-9_]+)[\"']", path.read_text()))
     assert sorted(used - django - read) == []
+
+
+def test_every_test_the_docs_name_exists():
+    # "tests/crash/test_x.py::test_y" or, in the reliability tables, "test_x.py::test_y"
+    named = {
+        (page, path, name)
+        for page, text in doc_pages().items()
+        for path, name in re.findall(r"([\w/]*test_\w+\.py)::(test_\w+)", text)
+    }
+    assert len(named) > 30
+    files = [*(REPO_ROOT / "tests").rglob("test_*.py"), *(REPO_ROOT / "examples").rglob("*.py")]
+    missing = []
+    for page, path, name in sorted(named):
+        found = [f for f in files if str(f.relative_to(REPO_ROOT)).endswith(path)]
+        if not any(re.search(rf"^def {name}\(", f.read_text(), re.MULTILINE) for f in found):
+            missing.append(f"{page}: {path}::{name}")
+    assert missing == []
