@@ -257,8 +257,13 @@ class _Batch:
                 error,
             )
         crash_point("after_publish")
-        if sent:
-            store.mark_published(sent)
+        # the rows are committed and their messages sent: the submission has succeeded
+        # whatever happens next. Recording "published" is bookkeeping, done off this
+        # path as for a single apply_async: if the database stops answering now, the
+        # marks are logged as not recorded, and a row still PENDING after
+        # lease_publish_grace is published again (the extra message dropped at claim)
+        for task_id in sent:
+            store.mark_published_soon(task_id)
         out = []
         for pending, (task_id, made) in zip(self.items, answers, strict=True):
             result = pending.outgoing.result if made else self.app.AsyncResult(task_id)

@@ -224,3 +224,57 @@ def test_a_second_live_worker_under_the_same_name_refuses_to_start(
         assert record.attempt == 1 and record.recoveries == 0
     for i in range(2):
         assert p.external.count(f"done:k{i}") == 1
+
+
+def test_a_group_whose_rows_and_messages_went_out_succeeds_though_the_marks_hang(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    """The database black-holes after every row of a group was committed and every
+    message sent, before they are marked published: the submission succeeded, so
+    ``apply_async`` returns the group's result (it raised ``StoreUnavailable``), and
+    every member runs once."""
+    from celery import group
+    from kombu import Producer
+
+    with proxy_to_postgres() as proxy:
+        url = lease_env.project(broker_url=redis_url).store.config.database_url
+        p = lease_env.project(
+            broker_url=redis_url,
+            settings={"lease_db_timeout": DB_TIMEOUT},
+            env={DATABASE_URL_ENV: proxy.url(url)},
+        )
+        app = p.module.app
+        members = 20
+
+        class BlackHoleAfterLast(Producer):
+            """Sends as usual; the database stops answering once the last member's
+            message is out (between the publish and the marks)."""
+
+            sent = 0
+
+            def publish(self, body: Any, **kwargs: Any) -> Any:
+                out = super().publish(body, **kwargs)
+                type(self).sent += 1
+                if type(self).sent == members:
+                    proxy.blackhole()
+                return out
+
+        with app.connection_for_write() as conn:
+            producer = BlackHoleAfterLast(conn)
+            outcome: list[Any] = []
+            error, seconds = timed(
+                lambda: outcome.append(
+                    group(app.tasks["t.add"].s(i, i) for i in range(members)).apply_async(
+                        producer=producer
+                    )
+                )
+            )
+        report("black hole after a group's publish: apply_async", seconds)
+        assert error is None, f"the group was submitted, yet apply_async raised {error!r}"
+        assert BlackHoleAfterLast.sent == members
+        ids = [str(r.id) for r in outcome[0].results]
+        proxy.resume()
+        p.worker()
+        for task_id in ids:
+            p.wait_state(task_id, State.SUCCEEDED)
+        assert p.external.count("add") == members
