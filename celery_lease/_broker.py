@@ -1,5 +1,21 @@
-"""Asking the broker whether a queue still holds messages, for the reaper's re-publish
-decision.
+"""Talking to the broker in bounded time, and asking it whether a queue still holds
+messages, for the reaper's re-publish decision.
+
+**Every publish is bounded.** The row is the outbox: a message that cannot be sent now
+is sent later by the reaper, so no caller (``apply_async``, the reaper, a worker's fast
+path) need wait for a broker that accepted the connection and stopped answering. A
+Redis connection waits for ever by default (kombu's ``socket_timeout`` is ``None``), so
+:func:`bound_sockets` gives the app's broker connections ``socket_timeout`` and
+``socket_connect_timeout`` of a third of ``lease_db_timeout`` (at least
+:data:`MIN_SOCKET_TIMEOUT`), unless ``broker_transport_options`` sets them already; and
+every publish of a leased task's message retries once (:data:`PUBLISH_RETRY`, for a
+pooled connection left stale by a broker restart), not for as long as
+``task_publish_retry_policy`` allows; the reaper's publishes do not retry (its next
+sweep does). A publish that gets no answer so gives up after about
+``lease_db_timeout`` (the reaper's after one socket timeout) and leaves the row for
+the reaper. RabbitMQ connections are
+opened within ``broker_connection_timeout`` and a publish writes without waiting for an
+answer (with publisher confirms, the wait is bounded by the same ``timeout``).
 
 Age alone cannot tell a lost message from a queued one: in a backlog longer than
 ``lease_republish_after`` every waiting row looks lost, and re-publishing them
@@ -33,6 +49,64 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_lease.broker")
 
+#: Smallest socket timeout given to Redis connections: above kombu's ``brpop_timeout``
+#: (1 s), so a consumer's blocking BRPOP is never cut short.
+MIN_SOCKET_TIMEOUT = 2.0
+
+#: kombu's retry policy for publishing a leased task's message: one more try on a fresh
+#: connection, at once (the row is the outbox: the reaper sends what this does not).
+PUBLISH_RETRY: dict[str, Any] = {
+    "max_retries": 1,
+    "interval_start": 0,
+    "interval_step": 0.2,
+    "interval_max": 0.2,
+}
+
+
+def socket_timeout(db_timeout: float) -> float:
+    """The socket timeout of a broker connection, for a bound of ``db_timeout``: a
+    publish that retries waits on at most three sockets (the stale one, the new
+    connection's first command, the publish again)."""
+    return max(MIN_SOCKET_TIMEOUT, db_timeout / 3)
+
+
+def publish_options(db_timeout: float, *, retry: bool = True) -> dict[str, Any]:
+    """``Producer.publish`` keywords that keep a publish within about ``db_timeout``
+    (``timeout``/``confirm_timeout``: RabbitMQ's wait for a publisher confirm).
+
+    ``retry=False``: one try (the reaper's: its next sweep is the retry)."""
+    return {
+        "retry": retry,
+        "retry_policy": dict(PUBLISH_RETRY),
+        "timeout": db_timeout,
+        "confirm_timeout": db_timeout,
+    }
+
+
+def bound_sockets(app: Celery, db_timeout: float) -> None:
+    """Give the app's Redis broker connections socket timeouts (see the module
+    docstring), unless ``broker_transport_options`` sets them. Called when celery-lease
+    is installed in a configured app, before its connections are made."""
+    from kombu import Connection
+
+    url = app.conf.broker_write_url or app.conf.broker_url
+    try:
+        driver = Connection(url, transport=app.conf.broker_transport).transport.driver_type
+    except Exception:  # an unknown transport: Celery says so itself when it connects
+        logger.debug("broker transport not resolved; sockets left as configured", exc_info=True)
+        return
+    if driver != "redis":
+        return
+    options = dict(app.conf.broker_transport_options or {})
+    wait = socket_timeout(db_timeout)
+    changed = False
+    for key in ("socket_timeout", "socket_connect_timeout"):
+        if key not in options:
+            options[key] = wait
+            changed = True
+    if changed:
+        app.conf.broker_transport_options = options
+
 
 class QueueDepths:
     """Depths of queues, read through the app's broker connection."""
@@ -49,7 +123,9 @@ class QueueDepths:
             return out
         try:
             with self.app.connection_for_read() as conn:
-                conn.ensure_connection(max_retries=1)
+                # a fresh connection, tried once: a broker that does not answer costs
+                # one socket timeout (see above), and age decides this time
+                conn.ensure_connection(max_retries=0)
                 for queue in queues:
                     channel: Any = conn.channel()
                     try:

@@ -33,6 +33,7 @@ from kombu.serialization import dumps as kombu_dumps
 from kombu.utils.json import dumps as json_dumps
 from kombu.utils.json import loads as json_loads
 
+from ._broker import publish_options
 from .exceptions import ConfigurationError
 
 #: Version of the stored form (a key of the JSON object, for later changes).
@@ -195,15 +196,21 @@ def build(
     return Outgoing(task_id, recorder.calls, result)
 
 
-def send(app: Celery, outgoing: Outgoing, producer: Any = None) -> None:
-    """Publish a freshly built message: Celery's own ``publish`` calls, replayed."""
+def send(app: Celery, outgoing: Outgoing, producer: Any = None, *, timeout: float) -> None:
+    """Publish a freshly built message: Celery's own ``publish`` calls, replayed, each
+    given up after about ``timeout`` seconds without an answer (see :mod:`._broker`)."""
+    bounded = publish_options(timeout)
     with app.producer_or_acquire(producer) as P, P.connection._reraise_as_library_errors():
         for body, kw in outgoing.calls:
-            P.publish(body, **kw)
+            P.publish(body, **{**kw, **bounded})
 
 
-def send_stored(app: Celery, stored: str, *, countdown: float | None = None) -> None:
-    """Publish a stored message again (a re-publish, retry, recovery, operator retry).
+def send_stored(
+    app: Celery, stored: str, *, countdown: float | None = None, timeout: float, retry: bool = True
+) -> None:
+    """Publish a stored message again (a re-publish, retry, recovery, operator retry),
+    given up after about ``timeout`` seconds without an answer (see :mod:`._broker`;
+    ``retry=False``: after one try).
 
     ``countdown``: seconds from now until it is due (its ETA header is set); the
     broker-side expiration is recomputed from the absolute ``expires`` header.
@@ -232,8 +239,7 @@ def send_stored(app: Celery, stored: str, *, countdown: float | None = None) -> 
             delivery_mode=msg["delivery_mode"],
             headers=headers,
             declare=declare,
-            retry=app.conf.task_publish_retry,
-            retry_policy=dict(app.conf.task_publish_retry_policy or {}),
+            **publish_options(timeout, retry=retry),
             **properties,
         )
 

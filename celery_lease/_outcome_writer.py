@@ -270,7 +270,9 @@ class OutcomeWriter:
                 self.unpublished += 1
                 continue
             try:
-                _message.send_stored(self._app, o.message, countdown=o.delay)
+                _message.send_stored(
+                    self._app, o.message, countdown=o.delay, timeout=self.store.config.db_timeout
+                )
             except Exception as error:  # the broker: the row is the outbox
                 self.unpublished += len(retries) - n
                 logger.warning(

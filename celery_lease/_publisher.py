@@ -11,22 +11,44 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from celery import Celery
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import _message
+from ._broker import PUBLISH_RETRY
 from .store import Publishable, Store
 
 logger = logging.getLogger("celery_lease.publish")
 
 
+class Published(NamedTuple):
+    """What one :func:`publish_rows` did."""
+
+    sent: int
+    failed: int
+    #: The broker failed or did not answer in time (the rest of the rows were left).
+    broker_down: bool
+
+
 def publish(app: Celery, store: Store, rows: Sequence[Publishable]) -> tuple[int, int]:
     """Publish PENDING rows' messages; returns (sent, failed). Rows left unpublished
     are published again after ``lease_publish_grace``."""
+    done = publish_rows(app, store, rows)
+    return done.sent, done.failed
+
+
+def publish_rows(
+    app: Celery, store: Store, rows: Sequence[Publishable], *, retry: bool = True
+) -> Published:
+    """:func:`publish`, telling whether it stopped because of the broker. Each message
+    is given up after about ``lease_db_timeout`` without an answer (see
+    :mod:`._broker`; ``retry=False``: after one try); the first such failure leaves the
+    rest for later."""
     sent: list[str] = []
     failed = 0
+    broker_down = False
     for row in rows:
         if row.args is None:
             logger.error(
@@ -40,9 +62,15 @@ def publish(app: Celery, store: Store, rows: Sequence[Publishable]) -> tuple[int
             continue
         try:
             if row.message is not None:
-                _message.send_stored(app, row.message, countdown=row.countdown)
+                _message.send_stored(
+                    app,
+                    row.message,
+                    countdown=row.countdown,
+                    timeout=store.config.db_timeout,
+                    retry=retry,
+                )
             else:
-                _send_legacy(app, row)
+                _send_legacy(app, row, retry)
         except (KombuOperationalError, ConnectionError, OSError) as error:
             logger.warning(
                 "broker unavailable, %d rows left to publish later: %s",
@@ -50,14 +78,15 @@ def publish(app: Celery, store: Store, rows: Sequence[Publishable]) -> tuple[int
                 error,
             )
             failed += len(rows) - len(sent)
+            broker_down = True
             break
         sent.append(row.id)
     if sent:
         store.mark_published(sent)
-    return len(sent), failed
+    return Published(len(sent), failed, broker_down)
 
 
-def _send_legacy(app: Celery, row: Publishable) -> None:
+def _send_legacy(app: Celery, row: Publishable, retry: bool) -> None:
     """A row stored before rows kept their message: name, arguments and routing only."""
     options: dict[str, Any] = json.loads(row.options) if row.options else {}
     app.send_task(
@@ -67,5 +96,7 @@ def _send_legacy(app: Celery, row: Publishable) -> None:
         task_id=row.id,
         retries=row.retries,
         countdown=row.countdown,
+        retry=retry,
+        retry_policy=dict(PUBLISH_RETRY),
         **options,
     )

@@ -16,6 +16,7 @@ from typing import Any
 from celery import Celery
 
 from . import config as _config
+from ._broker import bound_sockets
 from ._incarnation import Incarnation, SharedFlags
 from .notify import attach
 from .pause import PauseCache
@@ -120,7 +121,7 @@ def install(app: Celery) -> Runtime:
         rt.installed = True
     app.steps["worker"].add(WORKER_STEP)
     if getattr(app, "configured", False):
-        _add_beat_entry(app)
+        _configured(app)
     else:
         app.on_after_configure.connect(_on_configured, weak=False)
     return rt
@@ -128,7 +129,14 @@ def install(app: Celery) -> Runtime:
 
 def _on_configured(sender: Celery, **kwargs: Any) -> None:
     if runtime(sender).installed:
-        _add_beat_entry(sender)
+        _configured(sender)
+
+
+def _configured(app: Celery) -> None:
+    """What installing needs of a configured app: the reaper's beat entry, and broker
+    connections that give up on a broker that stopped answering (see :mod:`._broker`)."""
+    _add_beat_entry(app)
+    bound_sockets(app, _config.from_mapping(app.conf).db_timeout)
 
 
 def _add_beat_entry(app: Celery) -> None:

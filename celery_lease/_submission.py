@@ -177,7 +177,7 @@ def publish(
     """Send a message whose row is committed (PENDING, not yet marked published)."""
     task_id = outgoing.task_id
     try:
-        _message.send(task.app, outgoing, producer)
+        _message.send(task.app, outgoing, producer, timeout=rt.config.db_timeout)
     except (KombuOperationalError, ConnectionError, OSError) as error:
         # the row is the outbox: the reaper publishes its message once the broker is back
         logger.warning(
@@ -247,7 +247,12 @@ class _Batch:
         try:
             with self.app.producer_or_acquire(None) as producer:
                 for pending in created:
-                    _message.send(self.app, pending.outgoing, pending.producer or producer)
+                    _message.send(
+                        self.app,
+                        pending.outgoing,
+                        pending.producer or producer,
+                        timeout=rt.config.db_timeout,
+                    )
                     sent.append(pending.outgoing.task_id)
         except (KombuOperationalError, ConnectionError, OSError) as error:
             # the rows are the outbox: the reaper publishes the rest once the broker is back

@@ -65,11 +65,14 @@ class Reaper:
         self.app = app
         self.actor = actor or f"reaper:{socket.gethostname()}"
         self.store = store or runtime(app).store
+        #: The broker failed or did not answer during this sweep: publish nothing more.
+        self._broker_down = False
 
     def sweep(self) -> ReapReport:
         """One full pass: expired leases, overruns, due retries, lost or unpublished rows,
         the transition totals, retention."""
         report = ReapReport()
+        self._broker_down = False
         batch = self.store.config.reaper_batch_size
         for _ in range(MAX_BATCHES):
             expiries = self.store.expire(
@@ -84,9 +87,14 @@ class Reaper:
             report.overrun += len(moved)
             if len(moved) < batch:
                 break
+        # expiry and overrun decisions above never wait on the broker; below, each
+        # publish is bounded (see _broker), and once the broker failed or did not answer
+        # this sweep asks it nothing more: the rows wait for the next sweep
         self.publish_due(report)
         guard = backlog_guard(self.app, self.store.config.republish_after)
         for _ in range(MAX_BATCHES):
+            if self._broker_down:
+                break
             rows = self.store.take_unpublished()
             todo, held = guard.filter(self.store, rows)  # still queued: not lost
             report.held += held
@@ -127,9 +135,13 @@ class Reaper:
 
     def publish_due(self, report: ReapReport | None = None) -> int:
         """Move due RETRY_WAIT rows to PENDING and publish them."""
-        report = report if report is not None else ReapReport()
+        if report is None:  # on its own, not a phase of a sweep: the broker is asked again
+            self._broker_down = False
+            report = ReapReport()
         batch = self.store.config.reaper_batch_size
         for _ in range(MAX_BATCHES):
+            if self._broker_down:
+                break
             rows = self.store.take_due_retries(actor=self.actor)
             ok, failed = self.publish(rows)
             report.due += ok
@@ -140,7 +152,11 @@ class Reaper:
 
     def publish(self, rows: Sequence[Publishable]) -> tuple[int, int]:
         """Publish PENDING rows' messages; rows left unpublished are retried after the grace."""
-        return _publisher.publish(self.app, self.store, rows)
+        # one try each: a broker that does not answer holds a sweep for one socket
+        # timeout, and the next sweep tries again
+        done = _publisher.publish_rows(self.app, self.store, rows, retry=False)
+        self._broker_down = self._broker_down or done.broker_down
+        return done.sent, done.failed
 
 
 def reap(app: Celery, actor: str | None = None) -> ReapReport:

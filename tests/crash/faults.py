@@ -320,12 +320,12 @@ def pg_terminate(url: str, *, exclude_pid: int | None = None) -> int:
     return sum(1 for (ok,) in rows if ok)
 
 
-# -- a TCP proxy in front of PostgreSQL ----------------------------------------------------
+# -- a TCP proxy in front of PostgreSQL or Redis -------------------------------------------
 
 
 class TcpProxy:
-    """A loopback TCP proxy to ``target``: workers pointed at it lose the database when
-    the test says so, while everyone else keeps a direct connection.
+    """A loopback TCP proxy to ``target``: workers pointed at it lose the database (or
+    the broker) when the test says so, while everyone else keeps a direct connection.
 
     ``cut()`` closes every proxied connection and refuses new ones (a dead host or a
     firewall answering RST); ``restore()`` accepts again on the same port.
@@ -359,6 +359,15 @@ class TcpProxy:
             .render_as_string(hide_password=False)
         )
 
+    def broker_url(self, broker_url: str) -> str:
+        """``broker_url`` (``redis://host:port/db``) rewritten to go through this proxy."""
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(broker_url)
+        auth = parts.netloc.rpartition("@")[0]
+        netloc = f"{auth}@127.0.0.1:{self.port}" if auth else f"127.0.0.1:{self.port}"
+        return urlunsplit(parts._replace(netloc=netloc))
+
     def start(self) -> TcpProxy:
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -370,6 +379,11 @@ class TcpProxy:
         return self
 
     restore = start
+
+    @property
+    def black_holed(self) -> bool:
+        """Whether the proxy black-holes now (between :meth:`blackhole` and :meth:`resume`)."""
+        return not self._flowing.is_set()
 
     def blackhole(self) -> None:
         """Accept connections but forward nothing (existing connections stay open)."""
@@ -474,6 +488,20 @@ class TcpProxy:
 @contextlib.contextmanager
 def proxy_to_postgres() -> Iterator[TcpProxy]:
     proxy = TcpProxy().start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@contextlib.contextmanager
+def proxy_to_redis(redis_url: str) -> Iterator[TcpProxy]:
+    """A proxy in front of the Redis server of ``redis_url`` (the test's own); point a
+    project's broker at ``proxy.broker_url(redis_url)``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(redis_url)
+    proxy = TcpProxy((parts.hostname or "127.0.0.1", parts.port or 6379)).start()
     try:
         yield proxy
     finally:
