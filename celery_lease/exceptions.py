@@ -7,6 +7,8 @@ Details are attributes, not text to parse.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ._state import State
 
 
@@ -86,6 +88,29 @@ class StoreError(CeleryLeaseError):
 
 class StoreUnavailable(StoreError):
     """The database cannot be reached right now (transient: retried with backoff)."""
+
+
+class SubmissionOutcomeUnknown(StoreUnavailable):
+    """The database stopped answering after a submission's rows were sent to it: they
+    may have been written, or not.
+
+    A client cannot take back a statement it sent; what celery-lease guarantees is that
+    the outcome is settled when this is raised. On PostgreSQL a single submission's
+    statement carries the call's deadline in database time and writes nothing if it
+    runs later (a statement held up in the network and delivered after the call gave
+    up is a no-op); one that ran before it committed, and its row is published by the
+    reaper after ``lease_publish_grace``. So retry with the same ``task_id`` (or
+    ``dedup_key``): a row already written answers the retry as a duplicate, and runs
+    once either way. SQLite is a local file: its outcome is always known, so this is
+    raised there only for a bulk submission whose earlier batches were written.
+    """
+
+    def __init__(self, task_ids: Sequence[str], message: str) -> None:
+        #: Every task of the submission whose row may have been written.
+        self.task_ids = tuple(task_ids)
+        #: The first (for a single submission, the only) one.
+        self.task_id = self.task_ids[0] if self.task_ids else None
+        super().__init__(message)
 
 
 class SchemaOutOfDate(StoreError):

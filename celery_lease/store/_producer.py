@@ -4,12 +4,15 @@ was published."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    DateTime,
     Float,
     Integer,
     String,
@@ -18,6 +21,7 @@ from sqlalchemy import (
     bindparam,
     delete,
     exc,
+    func,
     insert,
     literal,
     null,
@@ -28,14 +32,25 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from ..config import LeaseConfig
+from ..exceptions import StoreError, StoreUnavailable, SubmissionOutcomeUnknown
 from ..states import Actor, State
 from . import _engine
 from ._base import TransitionEvent, state_is
+from ._deadline import WATCHDOG
 from ._executor import Executor
 from ._marks import PublishedMarks
 from ._sql import after, db_now
 from ._totals import TotalsMixin
 from ._types import NewTask
+
+#: Statements a submission tries when its insert conflicts with a row that its snapshot
+#: cannot see (committed meanwhile, or purged meanwhile).
+_CONFLICT_TRIES = 5
+#: A reading of the database's clock is taken again after this many seconds.
+_CLOCK_SAMPLE_MAX_AGE = 60.0
+#: How much the database's clock and this process's monotonic clock may differ in rate
+#: (1000 ppm, generous: NTP keeps both far closer), taken off a submission's deadline.
+_CLOCK_DRIFT = 1e-3
 
 #: Columns of a new row taken from :class:`NewTask` (bound as ``b_<name>``).
 _SUBMIT = (
@@ -77,6 +92,9 @@ class ProducerMixin(TotalsMixin):
     def __init__(self, config: LeaseConfig) -> None:
         super().__init__(config)
         self._marks = PublishedMarks(self.mark_published)
+        #: The database's clock as last read, and this process's monotonic time when
+        #: that answer arrived (see :meth:`_db_deadline`).
+        self._db_clock: tuple[datetime, float] | None = None
 
     def submit(self, new: NewTask, conn: Executor | None = None) -> tuple[str, bool]:
         """Insert a PENDING row; returns (task id, created). A duplicate dedup key or id
@@ -109,28 +127,102 @@ class ProducerMixin(TotalsMixin):
         marks = self._marks.take()
         try:
             if not self.is_pg:
+                # a local file: a call that fails wrote nothing (its transaction is gone)
                 return self._tx(lambda conn, is_retry: op(conn, is_retry, marks))
-
-            def fast(conn: Connection, _: bool) -> tuple[str, bool] | None:
-                # row, audit row, waiting "published" marks and the dedup answer in one
-                # statement: one round trip in autocommit
-                stmt = self._prepared(("submit-pg", countdown), lambda: self._submit_pg(countdown))
-                row = conn.execute(stmt, {**params, "b_marks": marks}).one()
-                if row.created is not None:
-                    self._record_event(
-                        TransitionEvent(
-                            new.id, new.name, None, State.PENDING, "submitted", "producer", 0
-                        )
-                    )
-                    return new.id, True
-                if row.existing is not None:
-                    return str(row.existing), False
-                return None  # a conflicting row this statement's snapshot cannot see
-
-            return self._single_then(fast, op)
+            return self._submit_pg_call(new, params, countdown, marks)
         except BaseException:
             self._marks.put_back(marks)
             raise
+
+    def _submit_pg_call(
+        self, new: NewTask, params: dict[str, Any], countdown: bool, marks: Sequence[str]
+    ) -> tuple[str, bool]:
+        """PostgreSQL's :meth:`submit`: row, audit row, waiting "published" marks and
+        the dedup answer in one autocommit statement, which writes nothing if it runs
+        after the call's deadline (see :meth:`_db_deadline`).
+
+        Raises:
+            SubmissionOutcomeUnknown: the database stopped answering after the statement
+                was sent (its row may have been written before the deadline).
+            StoreUnavailable: nothing was written.
+        """
+        stmt = self._prepared(("submit-pg", countdown), lambda: self._submit_pg(countdown))
+        sent = False
+
+        def once(conn: Connection, is_retry: bool) -> tuple[str, bool] | None:
+            nonlocal sent
+            deadline = self._db_deadline(conn)
+            sent = True
+            row = conn.execute(stmt, {**params, "b_marks": marks, "b_deadline": deadline}).one()
+            self._db_clock = (row.db_clock, time.monotonic())
+            if row.created is not None:
+                self._record_event(
+                    TransitionEvent(
+                        new.id, new.name, None, State.PENDING, "submitted", "producer", 0
+                    )
+                )
+                return new.id, True
+            if row.existing is not None:
+                existing = str(row.existing)
+                # an earlier try whose commit went through but whose answer was lost
+                return existing, is_retry and existing == new.id
+            if row.late:
+                sent = False  # refused by its deadline: this and any earlier try wrote nothing
+                raise StoreUnavailable(
+                    f"lease store {self.url} unavailable: the submission of task {new.id} "
+                    f"reached the database after the call's deadline "
+                    f"({self.config.db_timeout:g} s, lease_db_timeout) and was not written"
+                )
+            return None  # a conflicting row this statement's snapshot cannot see
+
+        def answered(conn: Connection, is_retry: bool) -> tuple[str, bool]:
+            # the next statement's snapshot sees the conflicting row (or writes ours, if
+            # it was purged meanwhile), each statement under the same deadline
+            for _ in range(_CONFLICT_TRIES):
+                answer = once(conn, is_retry)
+                if answer is not None:
+                    return answer
+            raise StoreError(
+                f"lease store {self.url}: task {new.id} conflicts with a row that keeps "
+                "appearing and disappearing"
+            )
+
+        try:
+            return self._tx(answered, single=True)
+        except StoreUnavailable as error:
+            if not sent or isinstance(error, SubmissionOutcomeUnknown):
+                raise
+            raise SubmissionOutcomeUnknown(
+                [new.id],
+                f"task {new.id}: submission outcome unknown: {error}; its row may have been "
+                "written (then the reaper publishes it): retry with the same task_id or "
+                "dedup_key",
+            ) from error
+
+    def _db_deadline(self, conn: Connection) -> datetime:
+        """The calling store call's deadline in database time, a little early.
+
+        The database's clock is read once (``clock_timestamp()``, returned by every
+        submit statement as well) together with this process's monotonic time when the
+        answer arrived; the deadline is that reading plus the monotonic time from then
+        to the call's deadline. The reading was taken before the answer arrived, so in
+        database time the result is never later than the moment the call gives up (the
+        two clocks' rates may differ by :data:`_CLOCK_DRIFT` at most, taken off; a
+        step of the server's clock during the call is not allowed for). A reading older
+        than :data:`_CLOCK_SAMPLE_MAX_AGE` is taken again, in one more round trip.
+        """
+        left = WATCHDOG.remaining()
+        if left is None:
+            left = self.config.db_timeout
+        now = time.monotonic()
+        sample = self._db_clock
+        if sample is None or now - sample[1] > _CLOCK_SAMPLE_MAX_AGE:
+            read = conn.execute(select(func.clock_timestamp())).scalar_one()
+            now = time.monotonic()
+            sample = self._db_clock = (read, now)
+        db_time, seen = sample
+        span = max(0.0, now + left - seen)
+        return db_time + timedelta(seconds=span * (1.0 - _CLOCK_DRIFT))
 
     def submit_joined(self, new: NewTask, conn: Executor) -> JoinedSubmission:
         """:meth:`submit` in the caller's open transaction on ``conn`` (a SQLAlchemy
@@ -156,7 +248,9 @@ class ProducerMixin(TotalsMixin):
             local.events = saved
         return JoinedSubmission(tid, created, tuple(events))
 
-    def _submit_insert(self, countdown: bool) -> Any:
+    def _submit_insert(self, countdown: bool, deadline: Any = None) -> Any:
+        """INSERT of one new row; with ``deadline`` (PostgreSQL: a timestamp bind
+        parameter) the row is written only while ``clock_timestamp()`` is before it."""
         t = self.t.tasks
         values: dict[str, Any] = {c: bindparam(f"b_{c}", type_=t.c[c].type) for c in _SUBMIT}
         values.update(
@@ -170,7 +264,23 @@ class ProducerMixin(TotalsMixin):
                 else bindparam("b_eta", type_=t.c.eta.type)
             ),
         )
-        return self._insert(t).values(**values).on_conflict_do_nothing().returning(t.c.id)
+        if deadline is None:
+            return self._insert(t).values(**values).on_conflict_do_nothing().returning(t.c.id)
+        names = list(values)
+        return (
+            self._insert(t)
+            .from_select(
+                names,
+                select(
+                    *(
+                        v if isinstance(v, ColumnElement) else literal(v, t.c[n].type)
+                        for n, v in ((n, values[n]) for n in names)
+                    )
+                ).where(func.clock_timestamp() < deadline),
+            )
+            .on_conflict_do_nothing()
+            .returning(t.c.id)
+        )
 
     def _existing(self) -> Any:
         t = self.t.tasks
@@ -207,7 +317,8 @@ class ProducerMixin(TotalsMixin):
 
     def _submit_pg(self, countdown: bool) -> Any:
         t = self.t.tasks
-        inserted = self._submit_insert(countdown).cte("inserted")
+        deadline = bindparam("b_deadline", type_=DateTime(timezone=True))
+        inserted = self._submit_insert(countdown, deadline).cte("inserted")
         marked = self._mark_statement(
             t.c.id == any_(bindparam("b_marks", type_=postgresql.ARRAY(String)))
         )
@@ -216,6 +327,8 @@ class ProducerMixin(TotalsMixin):
         return select(
             select(inserted.c.id).scalar_subquery().label("created"),
             self._existing().scalar_subquery().label("existing"),
+            (func.clock_timestamp() >= deadline).label("late"),
+            func.clock_timestamp().label("db_clock"),
         ).add_cte(self._submitted_audit(inserted), marked.cte("marked"))
 
     def _mark_statement(self, which: ColumnElement[bool]) -> Any:

@@ -42,6 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSON
 
+from ..exceptions import StoreUnavailable, SubmissionOutcomeUnknown
 from ..states import Actor, State
 from ._base import TransitionEvent
 from ._producer import _SUBMIT, ProducerMixin, _submit_params
@@ -91,15 +92,30 @@ class SubmitManyMixin(ProducerMixin):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         out: list[tuple[str, bool]] = []
+        sent = False
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
 
             def write(
                 conn: Connection, is_retry: bool, chunk: Sequence[NewTask] = chunk
             ) -> list[tuple[str, bool]]:
+                nonlocal sent
+                # PostgreSQL: the batch may commit without its answer reaching us.
+                # SQLite: a failed batch wrote nothing, but earlier batches are written
+                sent = sent or self.is_pg or bool(out)
                 return self._submit_chunk(conn, chunk, is_retry)
 
-            out.extend(self._tx(write))
+            try:
+                out.extend(self._tx(write))
+            except StoreUnavailable as error:
+                if not sent:
+                    raise
+                raise SubmissionOutcomeUnknown(
+                    [new.id for new in rows],
+                    f"{len(rows)} tasks: submission outcome unknown: {error}; some or all of "
+                    "their rows may have been written (then the reaper publishes them): "
+                    "retry with the same task ids or dedup keys",
+                ) from error
         return out
 
     def _submit_chunk(

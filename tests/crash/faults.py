@@ -320,6 +320,25 @@ def pg_terminate(url: str, *, exclude_pid: int | None = None) -> int:
     return sum(1 for (ok,) in rows if ok)
 
 
+def pg_sessions_from(url: str, ports: set[int]) -> int:
+    """Server sessions of the database of ``url`` whose client is one of the local
+    ``ports`` (a proxy's upstream connections): 0 once the server has read, run and
+    closed everything that was sent through them."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    if not ports:
+        return 0
+    libpq = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True, connect_timeout=5) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND client_port = ANY(%s)",
+            (sorted(ports),),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 # -- a TCP proxy in front of PostgreSQL or Redis -------------------------------------------
 
 
@@ -346,6 +365,8 @@ class TcpProxy:
         self.port = int(probe.getsockname()[1])
         probe.close()
         self.cuts = 0
+        #: Local ports of every connection made to ``target`` (to find its server side).
+        self.upstream_ports: set[int] = set()
         self._flowing = threading.Event()
         self._flowing.set()
 
@@ -449,6 +470,7 @@ class TcpProxy:
         upstream.settimeout(None)
         with self._lock:
             self._conns.update((client, upstream))
+            self.upstream_ports.add(int(upstream.getsockname()[1]))
         threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
@@ -465,6 +487,8 @@ class TcpProxy:
                             return
                     continue
                 for key, _ in sel.select(timeout=1.0):
+                    if not self._flowing.is_set():
+                        break  # black-holed while waiting: what arrived stays unread
                     src: socket.socket = key.fileobj  # type: ignore[assignment]
                     data = src.recv(65536)
                     if not data:

@@ -20,9 +20,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from celery_lease import State, StoreUnavailable, reap
+from celery_lease import State, StoreUnavailable, SubmissionOutcomeUnknown, reap
 
-from .faults import TcpProxy, proxy_to_postgres, subprocess_env
+from ..helpers import wait_until
+from .faults import TcpProxy, pg_sessions_from, proxy_to_postgres, subprocess_env
 from .support import LeaseEnv, Stopwatch, pg_only, released, report
 
 pytestmark = pg_only()
@@ -278,3 +279,50 @@ def test_a_group_whose_rows_and_messages_went_out_succeeds_though_the_marks_hang
         for task_id in ids:
             p.wait_state(task_id, State.SUCCEEDED)
         assert p.external.count("add") == members
+
+
+def test_a_submission_the_database_gets_after_the_call_gave_up_writes_nothing(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    """``.delay()`` against a black-holed database ends with ``SubmissionOutcomeUnknown``
+    naming the task; its INSERT, held in the network and delivered once it heals, runs
+    after the call's deadline and writes nothing (it used to commit, and the reaper
+    published the task the caller was told had failed). A retry with the same task id
+    runs it once."""
+    with proxy_to_postgres() as proxy:
+        url = lease_env.project(broker_url=redis_url).store.config.database_url
+        p = lease_env.project(
+            broker_url=redis_url,
+            settings={"lease_db_timeout": DB_TIMEOUT},
+            env={DATABASE_URL_ENV: proxy.url(url)},
+        )
+        ok = p.submit("t.add", 1, 2)  # a pooled connection, and a reading of the db clock
+        assert p.store.get(ok) is not None
+        from celery_lease._runtime import runtime
+
+        # ok's "published" mark recorded now: the one pooled connection is idle, and the
+        # next submit sends its INSERT on it (a new connection would not get that far)
+        runtime(p.module.app).store.flush_published()
+
+        proxy.blackhole()
+        task_id = "late-arrival-1"
+        error, seconds = timed(lambda: p.submit("t.add", 2, 3, task_id=task_id))
+        report("black hole: .delay() -> SubmissionOutcomeUnknown", seconds)
+        assert isinstance(error, SubmissionOutcomeUnknown), repr(error)
+        assert error.task_id == task_id and error.task_ids == (task_id,)
+        assert "retry with the same task_id" in str(error)
+
+        proxy.resume()  # the held INSERT reaches the server now, past its deadline
+        wait_until(
+            lambda: pg_sessions_from(url, proxy.upstream_ports) == 0,
+            timeout=60,
+            message="the server ran and closed what the proxy held",
+        )
+        assert p.store.get(task_id) is None, "a statement delivered late wrote its row"
+
+        p.worker()
+        again = p.submit("t.add", 2, 3, task_id=task_id)  # the documented retry
+        assert again == task_id
+        p.wait_state(task_id, State.SUCCEEDED)
+        p.drain()
+        assert p.external.count("add") == 3  # ok, the retried task once, drain
