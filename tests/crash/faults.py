@@ -369,6 +369,9 @@ class TcpProxy:
         self.upstream_ports: set[int] = set()
         self._flowing = threading.Event()
         self._flowing.set()
+        #: Cleared by :meth:`hold_answers`: the server's side is not read.
+        self._answering = threading.Event()
+        self._answering.set()
 
     def url(self, database_url: str) -> str:
         """``database_url`` rewritten to go through this proxy."""
@@ -410,8 +413,15 @@ class TcpProxy:
         """Accept connections but forward nothing (existing connections stay open)."""
         self._flowing.clear()
 
+    def hold_answers(self) -> None:
+        """Forward what clients send, hold back what the server answers: a statement
+        runs (and commits) but its answer never comes."""
+        self._answering.clear()
+
     def resume(self) -> None:
-        """Forward again after :meth:`blackhole`, including what was held back."""
+        """Forward again after :meth:`blackhole` or :meth:`hold_answers`, including
+        what was held back."""
+        self._answering.set()
         self._flowing.set()
 
     def cut(self) -> None:
@@ -477,6 +487,7 @@ class TcpProxy:
         sel = selectors.DefaultSelector()
         sel.register(a, selectors.EVENT_READ, b)
         sel.register(b, selectors.EVENT_READ, a)
+        answering = True
         try:
             while True:
                 if not self._flowing.is_set():
@@ -486,10 +497,18 @@ class TcpProxy:
                         if a not in self._conns:
                             return
                     continue
-                for key, _ in sel.select(timeout=1.0):
+                if answering != self._answering.is_set():
+                    answering = not answering
+                    if answering:
+                        sel.register(b, selectors.EVENT_READ, a)
+                    else:
+                        sel.unregister(b)  # answers held: the server's side stays unread
+                for key, _ in sel.select(timeout=1.0 if answering else 0.2):
                     if not self._flowing.is_set():
                         break  # black-holed while waiting: what arrived stays unread
                     src: socket.socket = key.fileobj  # type: ignore[assignment]
+                    if src is b and not self._answering.is_set():
+                        break  # answers held while waiting
                     data = src.recv(65536)
                     if not data:
                         return

@@ -326,3 +326,42 @@ def test_a_submission_the_database_gets_after_the_call_gave_up_writes_nothing(
         p.wait_state(task_id, State.SUCCEEDED)
         p.drain()
         assert p.external.count("add") == 3  # ok, the retried task once, drain
+
+
+def test_a_submission_whose_answer_is_lost_runs_once_when_retried_with_its_id(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    """The INSERT of ``.delay()`` commits and its answer never comes: the call raises
+    ``SubmissionOutcomeUnknown`` (not a plain "failed"); the row is there, the reaper
+    publishes it, and the documented retry with the same task id finds it and runs
+    nothing twice."""
+    with proxy_to_postgres() as proxy:
+        url = lease_env.project(broker_url=redis_url).store.config.database_url
+        p = lease_env.project(
+            broker_url=redis_url,
+            settings={"lease_db_timeout": DB_TIMEOUT},
+            env={DATABASE_URL_ENV: proxy.url(url)},
+        )
+        ok = p.submit("t.add", 1, 2)
+        from celery_lease._runtime import runtime
+
+        runtime(p.module.app).store.flush_published()  # the pooled connection is idle
+
+        proxy.hold_answers()
+        task_id = "answer-lost-1"
+        error, seconds = timed(lambda: p.submit("t.add", 2, 3, task_id=task_id))
+        report("answers held: .delay() -> SubmissionOutcomeUnknown", seconds)
+        assert isinstance(error, SubmissionOutcomeUnknown), repr(error)
+        assert error.task_id == task_id
+        record = p.get(task_id)  # the statement ran: the row is written, not published
+        assert record.state is State.PENDING and record.published_at is None
+
+        proxy.resume()
+        again = p.submit("t.add", 2, 3, task_id=task_id)  # the documented retry
+        assert again == task_id
+        assert p.get(task_id).published_at is None  # a duplicate: nothing published
+        p.worker()  # its reaper publishes the row after lease_publish_grace
+        assert p.wait_state(task_id, State.SUCCEEDED).attempt == 1
+        p.wait_state(ok, State.SUCCEEDED)
+        p.drain()
+        assert p.external.count("add") == 3  # ok, the task once, drain

@@ -274,3 +274,27 @@ def test_coerce_keeps_the_driver_error_as_cause():
     with pytest.raises(ConfigurationError) as info:
         config._coerce("lease_ttl", "x", float)
     assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("broker", "given", "expected"),
+    [
+        # Redis waits for ever by default: a third of lease_db_timeout, at least 2 s
+        ("redis://127.0.0.1:6399/0", {}, {"socket_timeout": 4.0, "socket_connect_timeout": 4.0}),
+        # what the app sets is kept
+        (
+            "redis://127.0.0.1:6399/0",
+            {"socket_timeout": 30, "visibility_timeout": 60},
+            {"socket_timeout": 30, "socket_connect_timeout": 4.0, "visibility_timeout": 60},
+        ),
+        # RabbitMQ: connect bounded by broker_connection_timeout, publish does not wait
+        ("amqp://guest:guest@127.0.0.1:5699//", {}, {}),
+    ],
+)
+def test_installing_bounds_the_redis_broker_sockets(broker, given, expected):
+    from celery_lease._runtime import install
+
+    app = Celery("bounded", broker=broker, set_as_current=False)
+    app.conf.update(broker_transport_options=given, lease_db_timeout=12.0)
+    install(app)  # no connection is made
+    assert dict(app.conf.broker_transport_options) == expected
