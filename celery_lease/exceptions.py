@@ -94,12 +94,13 @@ class SubmissionOutcomeUnknown(StoreUnavailable):
     """The database stopped answering after a submission's rows were sent to it: they
     may have been written, or not.
 
-    A client cannot take back a statement it sent; what celery-lease guarantees is that
-    the outcome is settled when this is raised. On PostgreSQL a single submission's
+    A client cannot take back a statement it sent. On PostgreSQL a single submission's
     statement carries the call's deadline in database time and writes nothing if it
-    runs later (a statement held up in the network and delivered after the call gave
-    up is a no-op); one that ran before it committed, and its row is published by the
-    reaper after ``lease_publish_grace``. So retry with the same ``task_id`` (or
+    starts later (a statement held up in the network and delivered after the call gave
+    up is a no-op), so the outcome is settled when this is raised, unless the statement
+    started in time and then waited (on a concurrent insert of the same id or dedup key,
+    or a synchronous standby). A row that was written is published by the reaper after
+    ``lease_publish_grace``. So retry with the same ``task_id`` (or
     ``dedup_key``): a row already written answers the retry as a duplicate, and runs
     once either way. SQLite is a local file: its outcome is always known, so this is
     raised there only for a bulk submission whose earlier batches were written.
