@@ -38,11 +38,12 @@ import json
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
+
+from ._apps import AppRegistry
 
 if TYPE_CHECKING:
     from .store import Publishable, Store
@@ -218,7 +219,7 @@ class BacklogGuard:
         return [r for r in rows if r.id not in skip], len(skip)
 
 
-_guards: weakref.WeakKeyDictionary[Celery, BacklogGuard] = weakref.WeakKeyDictionary()
+_guards: AppRegistry[BacklogGuard] = AppRegistry()
 _guards_lock = threading.Lock()
 
 

@@ -50,6 +50,7 @@ from celery import Celery
 from celery.concurrency import prefork
 from celery.worker import state as worker_state
 
+from ._apps import AppRegistry
 from ._incarnation import Incarnation
 from ._runtime import Runtime
 from .exceptions import StoreError
@@ -72,7 +73,7 @@ _STRANDED_AFTER = 5.0
 _RATE_SPAN = 2.0
 
 #: The claimer of each app's worker main process.
-_claimers: weakref.WeakKeyDictionary[Celery, Claimer] = weakref.WeakKeyDictionary()
+_claimers: AppRegistry[Claimer] = AppRegistry()
 
 QUEUED, ASKING, CLAIMED, UNCLAIMED = "queued", "asking", "claimed", "unclaimed"
 

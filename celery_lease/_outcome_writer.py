@@ -42,12 +42,12 @@ import select
 import socket
 import threading
 import time
-import weakref
 from typing import Any
 
 from celery import Celery
 
 from . import _message
+from ._apps import AppRegistry
 from ._crashpoints import crash_point
 from .exceptions import StoreError
 from .states import State
@@ -71,7 +71,7 @@ _SEND_BUFFER = 1 << 20
 #: KiB, fits); a larger one is written by the pool process itself.
 MAX_HAND_OVER = 256 * 1024
 
-_writers: weakref.WeakKeyDictionary[Celery, OutcomeWriter] = weakref.WeakKeyDictionary()
+_writers: AppRegistry[OutcomeWriter] = AppRegistry()
 
 
 def writer_for(app: Celery) -> OutcomeWriter | None:

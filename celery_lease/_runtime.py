@@ -10,12 +10,12 @@ from __future__ import annotations
 import getpass
 import os
 import threading
-import weakref
 from typing import Any
 
 from celery import Celery
 
 from . import config as _config
+from ._apps import AppRegistry
 from ._broker import bound_sockets
 from ._incarnation import Incarnation, SharedFlags
 from .notify import attach
@@ -28,7 +28,7 @@ WORKER_STEP = "celery_lease.worker:LeaseStep"
 BEAT_ENTRY = "celery-lease-reap"
 
 _install_lock = threading.Lock()
-_runtimes: weakref.WeakKeyDictionary[Celery, Runtime] = weakref.WeakKeyDictionary()
+_runtimes: AppRegistry[Runtime] = AppRegistry()
 _lock = threading.Lock()
 
 

@@ -12,7 +12,7 @@ import logging
 import socket
 from collections.abc import Sequence
 
-from celery import Celery, current_app, shared_task
+from celery import Celery, Task, shared_task
 
 from . import _publisher
 from ._broker import backlog_guard
@@ -164,7 +164,8 @@ def reap(app: Celery, actor: str | None = None) -> ReapReport:
     return Reaper(app, actor).sweep()
 
 
-@shared_task(name="celery_lease.reap", ignore_result=True)
-def reap_task() -> dict[str, int]:
-    """The beat entry: one sweep, run by whichever worker takes the message."""
-    return reap(current_app, actor=f"beat:{socket.gethostname()}").as_dict()
+@shared_task(name="celery_lease.reap", bind=True, ignore_result=True)
+def reap_task(self: Task[[], dict[str, int]]) -> dict[str, int]:
+    """The beat entry: one sweep, run by whichever worker takes the message, for the
+    app that runs it (``self.app``: the worker's own app, never a proxy of it)."""
+    return reap(self.app, actor=f"beat:{socket.gethostname()}").as_dict()

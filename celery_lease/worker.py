@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 import uuid
-import weakref
 from typing import Any
 
 from celery import Celery, bootsteps, signals
@@ -24,6 +23,7 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from . import _claimer, _publisher, _stores  # noqa: F401  (registers the lease_store remote-control command)
+from ._apps import AppRegistry
 from ._execution import StoreDownDuringTask
 from ._node_names import dead_predecessors, pid_gone
 from ._outcome_writer import OutcomeWriter, writer_config
@@ -37,7 +37,7 @@ from .store import Store
 logger = logging.getLogger("celery_lease.worker")
 
 #: The service of each app's worker main process (none in its pool children's use).
-_services: weakref.WeakKeyDictionary[Celery, WorkerService] = weakref.WeakKeyDictionary()
+_services: AppRegistry[WorkerService] = AppRegistry()
 #: Serializes a service started on first use in an in-process worker (its threads).
 _start_lock = threading.Lock()
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from celery import Celery
 from sqlalchemy.engine import URL
 
 from ... import config as lease_config
+from ..._apps import AppRegistry
 from ..._runtime import runtime
 from ...exceptions import ConfigurationError
 
@@ -41,7 +41,7 @@ SETTING_URL = "CELERY_LEASE_DATABASE_URL"
 #: The database URL this module derived from ``DATABASES``, per app. A URL that still
 #: equals it was not chosen by the user and follows Django's connection settings
 #: (the test runner renames the database after start-up).
-_derived: weakref.WeakKeyDictionary[Celery, str] = weakref.WeakKeyDictionary()
+_derived: AppRegistry[str] = AppRegistry()
 _lock = threading.Lock()
 
 
