@@ -7,8 +7,9 @@ adds what only this project's suites need:
 - :func:`wait_until`: poll a predicate against a deadline (the kit's).
 - :class:`ExternalSystem`: the kit's counting stub of an external API, found by
   generated worker modules through ``CELERY_LEASE_TEST_EXTERNAL``.
-- :class:`WorkerProject` / :class:`WorkerProcess`: a generated Celery project module and
-  real ``celery worker`` subprocesses (the kit's) started from it.
+- :class:`WorkerProject` / :class:`WorkerProcess` / :class:`BeatProcess`: a generated
+  Celery project module and real ``celery worker`` and ``celery beat`` subprocesses (the
+  kit's) started from it.
 - :func:`lease_settings`, :func:`check_audit`: lease-specific conveniences.
 - ``pid_alive``, ``pid_state``, ``child_pids``, ``group_pids``: the kit's /proc helpers.
 
@@ -45,11 +46,13 @@ from celery_lease.testing import (
     wait_until,
 )
 from celery_lease.testing import WorkerProcess as KitWorkerProcess
+from celery_lease.testing._procs import BeatProcess as KitBeatProcess
 from celery_lease.testing._worker import log_report
 
 # the kit's names, for the suites that import them from here
 __all__ = [
     "CONF_ENV_PREFIX",
+    "BeatProcess",
     "EXTERNAL_ENV",
     "REPO_ROOT",
     "Effect",
@@ -288,6 +291,25 @@ class WorkerProject:
             proc.start()
         return proc
 
+    def beat(
+        self, name: str = "beat", *, env: Mapping[str, str] | None = None, start: bool = True
+    ) -> BeatProcess:
+        """A ``celery beat`` process of this project (started unless ``start=False``):
+        it sends the project's periodic tasks, ``celery_lease.reap`` among them."""
+        proc = BeatProcess(
+            self,
+            name=name,
+            pool="solo",
+            concurrency=1,
+            nodename=f"{name}@lease-test",
+            extra_args=(),
+            env=env,
+        )
+        self.registry.workers.append(proc)
+        if start:
+            proc.start()
+        return proc
+
     def producer(self) -> Celery:
         """A bare Celery app on the same broker and queue, to ``send_task`` by name."""
         from celery import Celery
@@ -402,6 +424,13 @@ class WorkerProcess(KitWorkerProcess):
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the whole process group (main process and pool children)."""
         self.signal_group(sig)
+
+
+class BeatProcess(WorkerProcess, KitBeatProcess):
+    """One real ``celery -A <module> beat`` subprocess of a :class:`WorkerProject` (the
+    kit's :class:`~celery_lease.testing._procs.BeatProcess`): started, signalled, torn
+    down and reported like the project's workers; :meth:`wait_ready` waits for beat's
+    ``beat: Starting...`` line."""
 
 
 @dataclasses.dataclass

@@ -145,12 +145,12 @@ class WorkerProcess:
     def argv(self) -> list[str]:
         """The command line (the kit's launcher takes the same arguments as ``celery``)."""
         entry = ["-m", "celery"] if self.conf is None else ["-m", "celery_lease.testing._launch"]
+        return [self.python, *entry, "-A", self.app, *self.command()]
+
+    def command(self) -> list[str]:
+        """The ``celery`` command and its options (after ``-A <app>``)."""
         queues = ["-Q", ",".join(self.queues)] if self.queues else []
         return [
-            self.python,
-            *entry,
-            "-A",
-            self.app,
             "worker",
             f"--loglevel={self.loglevel}",
             "-P",
@@ -232,7 +232,7 @@ class WorkerProcess:
         )
 
     def wait_ready_line(self, timeout: float = 30.0) -> None:
-        """Wait for the ``<nodename> ready.`` line of the current start (needs INFO logs).
+        """Wait for the :attr:`READY` line of the current start (needs INFO logs).
 
         Raises:
             AssertionError: the process exited first (with its log tail), or the
@@ -247,7 +247,7 @@ class WorkerProcess:
                 )
             return bool(self.READY.search(self.log_text(since_start=True)))
 
-        wait_until(ready, timeout=timeout, message=f"{self!r} never logged 'ready'")
+        wait_until(ready, timeout=timeout, message=f"{self!r} never logged {self.READY.pattern!r}")
 
     # -- signals ----------------------------------------------------------------------
 
@@ -335,3 +335,27 @@ class WorkerProcess:
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+class BeatProcess(WorkerProcess):
+    """One real ``celery -A <app> beat`` subprocess: a :class:`WorkerProcess` (its own
+    process group, log, environment and ``conf``) whose command is beat's.
+
+    Beat keeps its schedule state in ``<log_path>.schedule`` (a file of the test's, not
+    ``celerybeat-schedule`` in the working directory). ``pool``, ``concurrency`` and
+    ``queues`` do not apply; ``nodename`` only names it in reports.
+    """
+
+    READY = re.compile(r"beat: Starting\.\.\.\s*$", re.MULTILINE)
+
+    @property
+    def schedule_path(self) -> Path:
+        return self.log_path.with_suffix(".schedule")
+
+    def command(self) -> list[str]:
+        return [
+            "beat",
+            f"--loglevel={self.loglevel}",
+            f"--schedule={self.schedule_path}",
+            *self.extra_args,
+        ]
