@@ -52,9 +52,9 @@ from celery_lease.testing._worker import log_report
 # the kit's names, for the suites that import them from here
 __all__ = [
     "CONF_ENV_PREFIX",
-    "BeatProcess",
     "EXTERNAL_ENV",
     "REPO_ROOT",
+    "BeatProcess",
     "Effect",
     "ExternalSystem",
     "ProcessRegistry",
