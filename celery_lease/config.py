@@ -53,6 +53,37 @@ def resolve_database_url(url: str) -> str:
     return f"{scheme}://{authority}/{absolute}{'?' if query else ''}{query}"
 
 
+def sqlite_file(url: str) -> str | None:
+    """The file a SQLite ``url`` names (``None``: not SQLite, or not a plain file)."""
+    if not url.startswith("sqlite"):
+        return None
+    _, sep, rest = url.partition("://")
+    authority, slash, tail = rest.partition("/")
+    if not sep or not slash or "?" in authority:
+        return None
+    database = unquote(tail.partition("?")[0])
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return os.path.expanduser(database)
+
+
+def database_url_origin(conf: Any) -> str:
+    """How ``lease_database_url`` was chosen for ``conf`` (as :func:`from_mapping` does),
+    in words for a message: the setting, the environment, or the default file."""
+    try:
+        given = conf.get("lease_database_url")
+    except (KeyError, AttributeError):
+        given = None
+    if given:
+        return "set by lease_database_url"
+    if os.environ.get("CELERY_LEASE_DATABASE_URL"):
+        return "set by the CELERY_LEASE_DATABASE_URL environment variable"
+    return (
+        "lease_database_url is not set: the default is celery-lease.sqlite3 in the "
+        f"directory the command runs in ({os.getcwd()})"
+    )
+
+
 #: Default ``lease_retention``: finished rows are kept a week.
 DEFAULT_RETENTION = 7 * 86400.0
 

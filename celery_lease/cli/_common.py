@@ -3,6 +3,7 @@ codes, options, and the operator API."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -56,6 +57,29 @@ def _app(ctx: click.Context) -> Any:
         # points the store at DATABASES) and the app's task modules are registered
         app.loader.import_default_modules()
         obj._lease_modules_imported = True
+    return app
+
+
+def _existing_store_app(ctx: click.Context) -> Any:
+    """The app, for a command that reads the store or acts on rows in it: such a command
+    never creates a SQLite store. Run in another folder than the workers', it would
+    otherwise create an empty file there and report nothing, as if all were well.
+
+    Raises:
+        ConfigurationError: the SQLite file the settings name does not exist (the
+            message says which file, and how that path was chosen).
+    """
+    from .._runtime import runtime
+    from ..config import database_url_origin, sqlite_file
+
+    app = _app(ctx)
+    path = sqlite_file(runtime(app).config.database_url)
+    if path is not None and not os.path.exists(path):
+        raise ConfigurationError(
+            f"no lease store at {path} ({database_url_origin(app.conf)}). Run the "
+            "command where the workers run, or point lease_database_url at their store; "
+            "`celery -A proj lease migrate` creates a new one"
+        )
     return app
 
 
@@ -127,10 +151,13 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         raise click.BadParameter(str(error)) from None
 
 
-def _admin(ctx: click.Context) -> Any:
+def _admin(ctx: click.Context, *, creates: bool = False) -> Any:
+    """The operator API of the app; ``creates``: the command may create the store (it
+    writes something that needs no task rows: a pause, a sweep), else the store must
+    exist (:func:`_existing_store_app`)."""
     from ..operations import admin
 
-    return admin(_app(ctx))
+    return admin(_app(ctx) if creates else _existing_store_app(ctx))
 
 
 def _flush(api: Any) -> None:

@@ -44,7 +44,7 @@ def pause(
     """Pause a queue (workers stop consuming it) or a task name (its deliveries wait,
     PENDING, and are published again on resume), until `lease resume`."""
     _check_target(queue, task)
-    api = _cli._admin(ctx)
+    api = _cli._admin(ctx, creates=True)
     changed = api.pause(queue=queue, task=task, reason=reason, actor=actor)
     kind, target = ("queue", queue) if queue is not None else ("task", task)
     if as_json:
@@ -73,7 +73,7 @@ def resume(
 ) -> None:
     """End a pause made with `lease pause`."""
     _check_target(queue, task)
-    api = _cli._admin(ctx)
+    api = _cli._admin(ctx, creates=True)
     changed = api.resume(queue=queue, task=task, reason=reason, actor=actor)
     kind, target = ("queue", queue) if queue is not None else ("task", task)
     if as_json:
@@ -183,6 +183,7 @@ def with_filters(action: str) -> Callable[[F], F]:
 _FILTERS = ("state", "name", "reason_contains", "worker", "older_than")
 
 
+@_cli.handle_errors  # the filters' path leaves the command's own handler out
 def _bulk(
     ctx: click.Context,
     action: str,

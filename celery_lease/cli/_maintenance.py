@@ -14,6 +14,7 @@ from ._common import (
     _admin,
     _app,
     _duration,
+    _existing_store_app,
     _flush,
     handle_errors,
     json_option,
@@ -48,7 +49,7 @@ def migrate(ctx: click.Context) -> None:
 def reap(ctx: click.Context, loop: bool, as_json: bool) -> None:
     """Run the reaper: expire dead leases, retry or hand over, re-publish lost messages."""
     app = _app(ctx)
-    api = _admin(ctx)
+    api = _admin(ctx, creates=True)
     interval = runtime(app).config.reaper_interval
     while True:
         report = api.reap()
@@ -99,7 +100,7 @@ def check(
     from ..check import check as run_check
     from ..check import summarize, workers_on_other_stores
 
-    app = _app(ctx)
+    app = _existing_store_app(ctx)
     violations = run_check(app, liveness=not no_liveness, grace=grace)
     if not no_workers:
         try:
@@ -206,7 +207,7 @@ def metrics(ctx: click.Context, port: int, addr: str, window: float) -> None:
     """Serve Prometheus metrics over HTTP until interrupted (needs the prometheus extra)."""
     from ..metrics import serve
 
-    server = serve(_app(ctx), port=port, addr=addr, window=window)
+    server = serve(_existing_store_app(ctx), port=port, addr=addr, window=window)
     host, bound = server.server_address[:2]
     click.echo(f"serving celery-lease metrics on http://{host}:{bound}/metrics", err=True)
     try:

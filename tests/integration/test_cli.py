@@ -369,6 +369,49 @@ def test_real_command_database_unreachable(celery_project: Any) -> None:
         assert "127.0.0.1:1" in lines[0] and "Traceback" not in err
 
 
+#: Commands that read the store or act on rows in it: none may create a store.
+NEEDS_A_STORE = [
+    ["lease", "list"],
+    ["lease", "show", "some-id"],
+    ["lease", "stats"],
+    ["lease", "workers", "--json"],
+    ["lease", "pauses"],
+    ["lease", "check", "--no-workers"],
+    ["lease", "retry", "some-id"],
+    ["lease", "cancel", "--state", "PENDING", "--reason", "r", "--dry-run"],
+    ["lease", "purge", "--older-than", "1d"],
+]
+
+
+def test_real_commands_that_read_never_create_a_sqlite_store(celery_project: Any) -> None:
+    project = celery_project("", env={"CELERY_LEASE_DATABASE_URL": ""})  # the default file
+    default = project.directory / "celery-lease.sqlite3"
+    for args in NEEDS_A_STORE:
+        code, out, err = real(project, args)
+        assert code == 2, (args, code, out, err)
+        line = err.strip()
+        assert line.startswith(f"Error: no lease store at {default} ") and "\n" not in line, err
+        assert "lease_database_url is not set" in line and str(project.directory) in line
+        assert out == "" and "Traceback" not in err
+        assert not default.exists(), args
+
+    code, out, err = real(project, ["lease", "migrate"])  # a write command creates it
+    assert code == 0 and default.exists(), (out, err)
+    code, out, err = real(project, ["lease", "list"])
+    assert code == 0 and "No tasks match" in out + err, (out, err)
+
+
+def test_real_command_names_the_setting_that_chose_a_missing_store(
+    celery_project: Any, tmp_path: Any
+) -> None:
+    missing = tmp_path / "elsewhere" / "store.sqlite3"
+    project = celery_project("", settings={"lease_database_url": f"sqlite:///{missing}"})
+    code, out, err = real(project, ["lease", "list"])
+    assert code == 2, (code, out, err)
+    assert f"no lease store at {missing} (set by lease_database_url)" in err
+    assert not missing.parent.exists()
+
+
 def test_real_command_colours_a_terminal_only(ops: Ops) -> None:
     task_id = ops.wait_manual()
 
