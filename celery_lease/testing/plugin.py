@@ -31,6 +31,7 @@ from ..config import LeaseConfig
 from ..store import Store
 from ._crash import CrashPoints
 from ._effects import EFFECTS_ENV, SideEffects
+from ._redis_keys import BindingKeys
 from ._worker import LeaseWorker, log_report
 
 #: Short timings for tests: a lost lease is noticed within a second or two.
@@ -48,6 +49,8 @@ FAST_TIMINGS: dict[str, Any] = {
 }
 
 _WORKERS = pytest.StashKey[list[LeaseWorker]]()
+#: Names only this test's broker objects contain (its queue, its workers' host part).
+_TOKENS = pytest.StashKey[set[str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -183,9 +186,17 @@ def lease_conf(
 
 
 @pytest.fixture
-def lease_store(lease_app: Any, lease_conf: dict[str, Any]) -> Iterator[Store]:
+def lease_store(
+    lease_app: Any, lease_conf: dict[str, Any], request: pytest.FixtureRequest
+) -> Iterator[Store]:
     """A migrated store of this test's own, which ``lease_app`` uses in the test process
-    until the test ends (its earlier settings are given back then)."""
+    until the test ends (its earlier settings are given back then). On a Redis broker,
+    the binding keys the test's queue and workers added are removed afterwards: the
+    broker is left as the test found it."""
+    bindings = BindingKeys(str(lease_conf["broker_url"]))
+    bindings.record()
+    tokens = request.node.stash.setdefault(_TOKENS, set())
+    tokens.add(str(lease_conf["task_default_queue"]))
     conf = lease_app.conf
     saved = {k: conf.changes[k] for k in lease_conf if k in conf.changes}
     conf.update(lease_conf)
@@ -211,6 +222,7 @@ def lease_store(lease_app: Any, lease_conf: dict[str, Any]) -> Iterator[Store]:
         if config.schema is not None:
             store.drop_schema()
             store.dispose()
+        bindings.restore(tokens)
 
 
 # -- effects, crash points, workers --------------------------------------------------------
@@ -262,6 +274,7 @@ def lease_workers(
     ini_pool = str(request.config.getini("lease_pool") or "prefork")
     ini_concurrency = int(str(request.config.getini("lease_concurrency") or "1"))
     host = f"lease-test-{uuid.uuid4().hex[:8]}"
+    request.node.stash.setdefault(_TOKENS, set()).add(f"@{host}.")
 
     def start(
         name: str = "w1",

@@ -88,9 +88,17 @@ def test_check_finds_a_worker_on_another_default_store(
     assert "no violations" in same.stdout
     assert f"store: sqlite:///{worker_db}" in same.stderr
 
-    # one started elsewhere uses another file, and the check says which worker disagrees
+    # one started elsewhere finds no store there: it says so and creates none
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    missing = lease(project, elsewhere, "check", "--no-liveness")
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert f"no lease store at {elsewhere / 'celery-lease.sqlite3'}" in missing.stderr
+    assert not (elsewhere / "celery-lease.sqlite3").exists()
+
+    # with a store of its own there, the check says which worker disagrees
+    made = lease(project, elsewhere, "migrate")
+    assert made.returncode == 0, made.stdout + made.stderr
     other = lease(project, elsewhere, "check", "--no-liveness", "--json")
     assert other.returncode == 5, other.stdout + other.stderr
     report = json.loads(other.stdout)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,3 +144,29 @@ def test_an_unknown_database_is_refused(tmp_path: Path, redis_url: str, value: s
 
     assert proc.returncode != 0
     assert "lease_database must be 'sqlite' or a PostgreSQL URL" in proc.stdout
+
+
+def test_a_kit_test_leaves_the_redis_broker_as_it_found_it(tmp_path: Path, redis_url: str):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    # the application's own: a binding of another worker's control queue, another key
+    theirs = b"\x06\x16\x06\x16other@elsewhere.celery.pidbox"
+    client.sadd("_kombu.binding.celery.pidbox", theirs)
+    client.set("untouched", "1")
+
+    def snapshot() -> dict[bytes, Any]:
+        out: dict[bytes, Any] = {}
+        for key in client.keys("*"):
+            kind = client.type(key)
+            out[key] = client.smembers(key) if kind == b"set" else client.dump(key)
+        return out
+
+    before = snapshot()
+    project = make_project(tmp_path, "[pytest]\nlease_app = shop:app\n")
+    try:
+        proc = run_pytest(project, redis_url, "-k", "test_runs")
+        assert "1 passed" in proc.stdout, proc.stdout + proc.stderr
+        assert snapshot() == before
+    finally:
+        client.close()
