@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from celery import Celery
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from . import _message
+from . import _message, notify
 from ._broker import PUBLISH_RETRY
 from .store import Publishable, Store
 
@@ -49,6 +49,11 @@ def publish_rows(
     sent: list[str] = []
     failed = 0
     broker_down = False
+    if rows:
+        # the lease states this process committed for these rows (an operator's PENDING,
+        # the reaper's TIMEOUT) reach the result backend before the message can start a
+        # run: Celery writes that run's STARTED before its claim, and it is newer news
+        notify.flush(store, notify.BEFORE_PUBLISH_TIMEOUT)
     for row in rows:
         if row.args is None:
             logger.error(

@@ -75,6 +75,9 @@ _CELERY_REPORTS = CELERY_REPORTS
 
 #: Seconds :func:`flush` waits at interpreter exit for queued notifications.
 EXIT_TIMEOUT = 5.0
+#: Longest a publish waits for the result backend to be told the rows' earlier states
+#: (a slow backend delays a re-publish this long at most, then order is not kept).
+BEFORE_PUBLISH_TIMEOUT = 2.0
 #: Bounded retries of one event publish (a dead broker costs about a second, not minutes).
 EVENT_RETRY_POLICY = {
     "max_retries": 1,
@@ -145,6 +148,25 @@ def needs_telling(event: TransitionEvent) -> bool:
     if (event.from_state, event.to_state) in _CELERY_REPORTS:
         return False
     return event.to_state in EVENT_TYPES and not _owner_outcome(event)
+
+
+#: Final states: once the row holds one, an older state must not be written over it.
+_FINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+
+
+def moved_on(event: TransitionEvent, record: TaskRecord | None) -> bool:
+    """Whether the row has moved past ``event`` in a way the result backend already
+    shows, or will: a later attempt was claimed (its worker writes STARTED and the
+    outcome), or the row reached another final state (written when it did). The
+    event's state is then not written: a result backend never goes back in the row's
+    history. Other moves of the same attempt (TIMEOUT, RETRY_WAIT, PENDING) are still
+    written: the later ones that are told follow in order. A row already gone
+    (retention) has not moved on."""
+    if record is None:
+        return False
+    if record.attempt > event.attempt:
+        return True
+    return record.state in _FINAL and record.state is not event.to_state
 
 
 def cli_hint(app: Celery, task_id: str) -> str:
@@ -301,7 +323,20 @@ class Notifier:
                 last[e.task_id] = e
             for e in last.values():
                 try:
-                    self._store_result(e, records[e.task_id])
+                    # read again just before writing: the queue and the writes before
+                    # this one take time, and the row may have moved on meanwhile
+                    record = records[e.task_id] = self.store.get(e.task_id)
+                    if moved_on(e, record):
+                        _log.debug(
+                            "celery-lease: task %s is %s (attempt %d) now: %s not written "
+                            "to the result backend",
+                            e.task_id,
+                            record.state.value if record is not None else "gone",
+                            record.attempt if record is not None else 0,
+                            e.to_state.value,
+                        )
+                        continue
+                    self._store_result(e, record)
                 except Exception as error:
                     _log.warning(
                         "celery-lease: result backend not updated for task %s (%s): %s",
@@ -523,6 +558,7 @@ def _setting(app: Celery, key: str, default: bool) -> bool:
 
 __all__ = [
     "BACKEND_STATES",
+    "BEFORE_PUBLISH_TIMEOUT",
     "EVENT_TYPES",
     "Notifier",
     "attach",
@@ -531,6 +567,7 @@ __all__ = [
     "find_notifier",
     "flush",
     "log_transitions",
+    "moved_on",
     "needs_telling",
     "result_meta",
 ]
