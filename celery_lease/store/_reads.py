@@ -94,6 +94,7 @@ class ReadsMixin(StoreBase):
             cancel_actor=m["cancel_actor"],
             cancel_reason=m["cancel_reason"],
             message=m["message"],
+            follow_ups_at=m["follow_ups_at"],
         )
 
     def get(self, task_id: str) -> TaskRecord | None:
