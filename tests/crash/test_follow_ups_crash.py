@@ -27,7 +27,7 @@ from .support import TASKS, LeasedProject, LeaseEnv
 
 PROJECT = (
     TASKS
-    + '''
+    + """
 
 @app.task(base=LeasedTask, bind=True, shared=False, name="f.head")
 def head(self, key):
@@ -45,7 +45,7 @@ def follow(self, value, tag):
 def gather(self, values, tag):
     external.call(f"gather:{tag}", payload=values)
     return sorted(values)
-'''
+"""
 )
 
 CRASH = {"CELERY_LEASE_CRASH_AT": "before_follow_ups"}

@@ -13,6 +13,7 @@ shared services (``CELERY_LEASE_TEST_EXCLUSIVE=1``, or no other test session run
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ from .support import LeaseEnv, pg_only
 @pytest.mark.exclusive  # may restart Redis: no other xdist worker's test runs meanwhile
 @pytest.mark.timeout(420)
 def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
-    lease_env: LeaseEnv, redis_url: str
+    lease_env: LeaseEnv, redis_url: str, tmp_path: Path
 ) -> None:
     p = lease_env.project(broker_url=redis_url, source=SOURCE, **TIMINGS)
     exclusive = os.environ.get(EXCLUSIVE_ENV) == "1" or not foreign_sessions()
@@ -39,6 +40,9 @@ def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
         settle_timeout=120.0,
         restart_redis=exclusive,
         database_url=p.store.config.database_url,
+        # on a violation: the rows, audit trails, messages and chord keys involved,
+        # written before the fixtures drop the database and flush Redis
+        evidence_dir=str(tmp_path / "evidence"),
     )
     report = Soak(p, opts, redis_url, echo=print).run()
     print(report.table())
