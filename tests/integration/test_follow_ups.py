@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from celery import chain, chord
 
-from celery_lease import State
+from celery_lease import State, admin
+from celery_lease._follow_ups import callback_id
 
 from ..crash.support import LeaseEnv
 from ..helpers import wait_until
@@ -30,6 +31,13 @@ def retry_once(self, x):
 @app.task(base=LeasedTask, shared=False, name="f.total")
 def total(values):
     return sum(values)
+
+@app.task(
+    base=LeasedTask, bind=True, shared=False, name="f.manual", max_retries=0,
+    on_exhausted="manual",
+)
+def manual(self, x):
+    raise self.retry(countdown=0)
 """
 
 
@@ -71,3 +79,46 @@ def test_chain_link_and_chord_follow_ups_run_once_as_leased_tasks(
     linked_rows = [r for r in p.store.list_tasks(limit=100) if r.args == [10]]
     assert len(linked_rows) == 1 and linked_rows[0].state is State.SUCCEEDED
     assert linked_rows[0].result == 20
+    # every head's follow-ups were recorded with its outcome and marked published
+    heads = [chained.parent.parent.id, chained.parent.id, linked.id, retried.id]
+    heads += [r.id for r in chorded.parent.results]
+    for task_id in heads:
+        wait_until(
+            lambda task_id=task_id: p.store.get(task_id).follow_ups_at is None,
+            timeout=30,
+            message=f"the follow-ups of {task_id} were marked published",
+        )
+
+
+@pytest.mark.parametrize("synced", [True, False], ids=["resolver", "reaper"])
+def test_a_resolved_task_sends_its_follow_ups_once(
+    lease_env: LeaseEnv, redis_url: str, synced: bool
+) -> None:
+    # resolve records the follow-ups with the row's SUCCEEDED; the process that resolved
+    # publishes them (its notifier), or, when it has none, the worker's reaper does
+    p = lease_env.project(
+        broker_url=redis_url,
+        source=PROJECT,
+        settings={
+            "result_backend": redis_url,
+            "lease_result_backend_sync": synced,
+            "lease_send_events": synced,
+        },
+    )
+    app = p.module.app
+    p.worker()
+    head = app.tasks["f.manual"].apply_async((1,), link=app.tasks["f.double"].s())
+    p.wait_state(head.id, State.WAIT_MANUAL, timeout=60)
+
+    admin(app).resolve(head.id, reason="done by hand", result=7)
+    resolved = p.get(head.id)
+    assert resolved.state is State.SUCCEEDED
+    follow_up = p.wait_state(callback_id(head.id, 0), State.SUCCEEDED, timeout=60)
+    assert follow_up.result == 14 and follow_up.attempt == 1
+    wait_until(
+        lambda: p.store.get(head.id).follow_ups_at is None,
+        timeout=30,
+        message="the resolved task's follow-ups were marked published",
+    )
+    assert head.get(timeout=30) == 7  # the result a caller waits for was stored
+    assert [r.args for r in p.store.list_tasks(limit=100) if r.name == "f.double"] == [[7]]
