@@ -213,3 +213,28 @@ def _replay_one(app: Celery, row: FollowUps) -> None:
     # stores the result a caller waits for, then counts the chord member (once per
     # member on the Redis backend: its part-return is keyed by task id and index)
     backend.mark_as_done(row.id, result, request=request, store_result=not ignored)
+    if _chord_dispatch_claimed(backend, request):
+        raise ChordDispatchPending(
+            f"the callback of chord {request.group} is claimed for publishing and not yet "
+            "published (by a worker that may have died): counted again once the claim expires"
+        )
+
+
+class ChordDispatchPending(Exception):
+    """The chord's callback is claimed for publishing on the result backend and not yet
+    published: the follow-ups stay recorded, and the part-return is repeated later."""
+
+
+def _chord_dispatch_claimed(backend: Any, request: Any) -> bool:
+    """Redis result backend: whether the chord's callback is claimed for publishing and
+    not published yet. A worker that died holding the claim leaves it until it expires
+    (``result_chord_join_timeout`` x 2, at least 5 s); a part-return repeated after that
+    claims it again and publishes the callback (its fixed id dedupes a second one)."""
+    group_key = getattr(backend, "get_key_for_group", None)
+    if not request.chord or not request.group or group_key is None:
+        return False
+    try:
+        value = backend.client.get(group_key(request.group, ".c"))
+    except AttributeError:  # not the Redis backend's layout
+        return False
+    return value is not None and value not in (b"done", "done")

@@ -4,13 +4,15 @@ and their messages must be built and stored like any other."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from celery import chain, chord
 
-from celery_lease import State, admin
+from celery_lease import State, _follow_ups, admin
 from celery_lease._follow_ups import callback_id
+from celery_lease.store import FollowUps
 
 from ..crash.support import LeaseEnv
 from ..helpers import wait_until
@@ -122,3 +124,49 @@ def test_a_resolved_task_sends_its_follow_ups_once(
     )
     assert head.get(timeout=30) == 7  # the result a caller waits for was stored
     assert [r.args for r in p.store.list_tasks(limit=100) if r.name == "f.double"] == [[7]]
+
+
+def test_a_chord_member_replayed_while_its_callback_is_claimed_waits_for_the_claim(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    # the reaper's replay of a chord member whose worker died inside the Redis
+    # backend's part-return, holding the claim to publish the chord's callback: the
+    # follow-ups stay recorded until the claim expires and a repeated part-return
+    # publishes the callback; each member is counted once
+    p = lease_env.project(
+        broker_url=redis_url, source=PROJECT, settings={"result_backend": redis_url}
+    )
+    app = p.module.app
+    double, total = app.tasks["f.double"], app.tasks["f.total"]
+    chorded = chord(double.s(i) for i in range(2))(total.s())
+    members = [r.id for r in chorded.parent.results]
+    for i, task_id in enumerate(members):  # as their workers would write them
+        claim = p.store.claim(task_id, "w", "worker:w")
+        assert p.store.finish(
+            claim.lease,
+            State.SUCCEEDED,
+            actor="worker:w",
+            reason="ok",
+            result=str(2 * i),
+            follow_ups=True,
+        )
+
+    def replay(task_id: str) -> tuple[int, int]:
+        r = p.get(task_id)
+        row = FollowUps(r.id, r.name, r.message, json.dumps(r.result), r.retries)
+        return _follow_ups.replay(app, p.store, [row])
+
+    claim_key = app.backend.get_key_for_group(chorded.parent.id, ".c")
+    assert replay(members[0]) == (1, 0)  # counted: one of two, nothing to publish
+    assert p.get(members[0]).follow_ups_at is None
+    redis = app.backend.client
+    redis.set(claim_key, "a-dead-workers-claim")
+    assert replay(members[1]) == (0, 1)  # counted, but the callback's claim is taken
+    assert p.get(members[1]).follow_ups_at is not None
+    assert p.store.get(chorded.id) is None
+    redis.delete(claim_key)  # the claim expired
+    assert replay(members[1]) == (1, 0)
+    body = p.get(chorded.id)  # the callback, published once with both results
+    assert body.state is State.PENDING and body.args == [[0, 2]]
+    assert p.get(members[1]).follow_ups_at is None
+    assert redis.get(claim_key) == b"done"
