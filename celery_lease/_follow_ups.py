@@ -96,12 +96,15 @@ def send(
     result: Any,
 ) -> None:
     """Publish ``link`` callbacks, then the chain's next task, as Celery's tracer does
-    (``parent_id``, ``root_id``, the delivery's priority), each with a fixed id.
+    (``parent_id``, ``root_id``, the delivery's priority with
+    ``task_inherit_parent_priority``), each with a fixed id.
 
     Raises what publishing raises (the broker); what was published stays published.
     """
     root_id = getattr(request, "root_id", None) or task_id
-    priority = (getattr(request, "delivery_info", None) or {}).get("priority")
+    priority = None
+    if app.conf.task_inherit_parent_priority:  # as Celery's tracer decides
+        priority = (getattr(request, "delivery_info", None) or {}).get("priority")
     ids: dict[str, Any] = {"parent_id": task_id, "root_id": root_id, "priority": priority}
     for index, callback in enumerate(callbacks):
         sig = signature(callback, app=app)
