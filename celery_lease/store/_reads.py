@@ -39,8 +39,8 @@ class InvariantPage:
     ``tasks`` rows carry the task's own columns (``id``, ``state``, ``attempt``,
     ``token``, ``owner``, ``reason``), the owner's ``nodename`` and one boolean per
     liveness deadline passed (``dead_owner``, ``unpublished``, ``republish_overdue``,
-    ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``); ``audits`` and ``steps`` are the pages' audit
-    and step rows, ordered by task."""
+    ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``); ``audits`` and
+    ``steps`` are the pages' audit and step rows, ordered by task."""
 
     tasks: list[Row[Any]]
     audits: list[Row[Any]]
