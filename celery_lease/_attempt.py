@@ -263,7 +263,7 @@ class _Delivery:
             raise Ignore()
         if follow_ups:
             worker_crash_point("before_follow_ups", self.inc.pid)
-            _follow_ups.send_taken(task, _follow_ups.take(self.req), retval)
+            _follow_ups.send_taken(task, self.store, _follow_ups.take(self.req), retval)
         return retval
 
     def _backend_refuses(self, value: Any) -> str | None:

@@ -11,9 +11,9 @@ them for good, since the redelivered message is dropped (the row is final). So:
   a chain or a chord, and by an operator's ``resolve`` for a row with a stored
   message);
 * the pool process takes them out of the request (:func:`take`), so Celery's tracer
-  sends none of them, and sends them itself (:func:`send`), the chord's part-return
-  after the tracer stored the result (:func:`finish`, from ``LeasedTask.on_success``),
-  then marks them published;
+  sends none of them, sends them itself (:func:`send_taken`) and marks them published;
+  a chord member's part-return comes after the tracer stored the result
+  (:func:`finish`, from ``LeasedTask.on_success``), and is marked then;
 * the reaper publishes those of a row still marked after ``lease_publish_grace``
   (:func:`replay`), from the stored message (callbacks, chain, chord, group) and the
   stored result, and stores the result in the result backend.
@@ -123,13 +123,16 @@ def send(
         following.apply_async((result,), chain=chain[:-1], **ids, **fixed)
 
 
-def send_taken(task: Any, taken: Taken, result: Any) -> None:
+def send_taken(task: Any, store: Store, taken: Taken, result: Any) -> None:
     """The pool process, right after the outcome: publish the callbacks and the chain's
-    next task (before Celery's tracer stores the result, as it would). A failure is
-    logged and left to the reaper (the row still records the follow-ups)."""
+    next task (before Celery's tracer stores the result, as it would), and mark them
+    published unless a chord's part-return is still to come (:func:`finish`). A
+    failure is logged and left to the reaper (the row still records the follow-ups)."""
     request = task.request
     try:
         send(task.app, str(request.id), request, taken.callbacks, taken.chain, result)
+        if taken.chord_request is None:
+            store.follow_ups_sent([str(request.id)])
     except Exception as error:
         logger.warning(
             "task %s[%s]: follow-ups recorded but not published (%s): the reaper publishes "
@@ -149,19 +152,18 @@ def taken(request: Any) -> bool:
 
 def finish(task: Any, store: Store, result: Any) -> None:
     """``LeasedTask.on_success``: a chord member's part-return (after the tracer stored
-    the result, as Celery's ``mark_as_done`` does), then the follow-ups marked published.
-    Anything not done is left to the reaper."""
+    the result, as Celery's ``mark_as_done`` does), then its follow-ups marked
+    published. Anything not done is left to the reaper."""
     request = task.request
     taken: Taken | None = getattr(request, _TAKEN, None)
     if taken is None:
         return
     setattr(request, _TAKEN, None)
-    if not taken.sent:
+    if not taken.sent or taken.chord_request is None:
         return
     task_id = str(request.id)
     try:
-        if taken.chord_request is not None:
-            task.backend.on_chord_part_return(taken.chord_request, states.SUCCESS, result)
+        task.backend.on_chord_part_return(taken.chord_request, states.SUCCESS, result)
         store.follow_ups_sent([task_id])
     except Exception as error:
         logger.warning(

@@ -218,10 +218,10 @@ class LeasedTask(Task[Any, Any]):
         return _attempt.deliver(self, self.lease_options(runtime(self.app).config), args, kwargs)
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
-        """After Celery stored the result: a chord member's part-return, and the
+        """After Celery stored the result: a chord member's part-return, and its
         follow-ups recorded with the outcome marked published (a subclass that overrides
-        this calls ``super().on_success(...)``; otherwise the reaper publishes them
-        after ``lease_publish_grace``)."""
+        this calls ``super().on_success(...)``; otherwise the reaper does the
+        part-return after ``lease_publish_grace``)."""
         if _follow_ups.taken(self.request):
             _follow_ups.finish(self, runtime(self.app).store, retval)
 
