@@ -164,9 +164,13 @@ class Reaper:
     def publish_follow_ups(self, report: ReapReport | None = None) -> int:
         """Publish the follow-ups recorded with a success and not marked published
         after ``lease_publish_grace`` (chain, ``link`` callbacks, chord part-return)."""
-        report = report if report is not None else ReapReport()
+        if report is None:  # on its own, not a phase of a sweep: the broker is asked again
+            self._broker_down = False
+            report = ReapReport()
         batch = self.store.config.reaper_batch_size
         for _ in range(MAX_BATCHES):
+            if self._broker_down:
+                break
             rows = self.store.take_follow_ups()
             ok, failed = _follow_ups.replay(self.app, self.store, rows)
             report.follow_ups += ok
