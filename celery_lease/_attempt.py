@@ -17,9 +17,9 @@ from typing import Any, Literal
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import _message, _publisher
+from . import _follow_ups, _message, _publisher
 from ._claimer import claimed_ahead
-from ._crashpoints import armed, step_crash_point
+from ._crashpoints import armed, step_crash_point, worker_crash_point
 from ._execution import Execution, StoreDownDuringTask, encode
 from ._incarnation import Incarnation
 from ._outcome_writer import hand_over
@@ -253,8 +253,17 @@ class _Delivery:
                     error=refused,
                 )
                 return retval
-        if not outcome(task, execution, State.SUCCEEDED, reason=reason, result=stored):
+        # what this success sends is recorded with it (the reaper sends it if this
+        # worker dies before it does); a result not stored cannot be replayed, and is
+        # left to Celery's tracer, as before
+        follow_ups = stored is not None and _follow_ups.recorded(self.req)
+        if not outcome(
+            task, execution, State.SUCCEEDED, reason=reason, result=stored, follow_ups=follow_ups
+        ):
             raise Ignore()
+        if follow_ups:
+            worker_crash_point("before_follow_ups", self.inc.pid)
+            _follow_ups.send_taken(task, self.store, _follow_ups.take(self.req), retval)
         return retval
 
     def _backend_refuses(self, value: Any) -> str | None:
@@ -314,8 +323,11 @@ def outcome(
     reason: str,
     result: str | None = None,
     error: str | None = None,
+    follow_ups: bool = False,
 ) -> bool:
-    """Write the outcome once, fenced; ``False`` when the lease was lost meanwhile."""
+    """Write the outcome once, fenced; ``False`` when the lease was lost meanwhile.
+    ``follow_ups``: a success whose follow-ups are recorded with it (written through:
+    the writer never takes a task with callbacks, a chain or a chord)."""
     rt = _finishing(task, execution)
     if rt is None or rt.incarnation is None:
         return False
@@ -329,6 +341,7 @@ def outcome(
         reason=reason,
         result=result,
         error=error,
+        follow_ups=follow_ups,
     )
     if not ok:
         logger.warning(

@@ -16,6 +16,10 @@ Points (where they are called):
 * ``outcome_buffered``: the worker's outcome writer (its main process) has read an
   outcome a pool process handed over and not written it yet: the whole worker dies
   with the outcome buffered.
+* ``before_follow_ups``: a pool process wrote a task's SUCCEEDED outcome with its
+  follow-ups recorded (chain, ``link`` callbacks, chord part-return) and has published
+  none of them: :func:`worker_crash_point` ends the whole worker (its main process
+  first), as a node lost at that line.
 * ``after_retry_recorded``: a retry's row is PENDING with its message, and the message
   is not published yet: in the worker's outcome writer (a retry handed over by a pool
   process), or in the pool process that wrote it itself (``LeasedTask._publish_retry``).
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 
 #: The environment variable naming the one crash point to fire in this process.
 ENV = "CELERY_LEASE_CRASH_AT"
@@ -54,6 +59,15 @@ def crash_point(name: str) -> None:
     a subprocess it starts, or in a process after the module was imported.
     """
     if os.environ.get(ENV) == name:
+        os._exit(EXIT_STATUS)
+
+
+def worker_crash_point(name: str, worker_pid: int) -> None:
+    """:func:`crash_point` that ends the whole worker: in a pool process, its worker's
+    main process (``worker_pid``) is SIGKILLed first, then this process ends."""
+    if os.environ.get(ENV) == name:
+        if worker_pid != os.getpid():
+            os.kill(worker_pid, signal.SIGKILL)
         os._exit(EXIT_STATUS)
 
 

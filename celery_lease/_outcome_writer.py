@@ -411,9 +411,10 @@ def hand_over(
     Written through: outcomes other than SUCCEEDED, CANCELLED and a retry carrying its
     message, every outcome with ``lease_outcome_write_through``, a self-fenced
     worker's (its leases are being expired), the final outcome of a task with
-    callbacks, a chain or a chord (Celery publishes those follow-ups, or counts the
-    chord, right after the outcome, so the row must be final first, or a worker lost
-    with the outcome buffered would run them again; a retry runs none of them), and
+    callbacks, a chain or a chord (its follow-ups are recorded with the outcome and
+    published right after it, by the pool process, so the row must be final first, or
+    a worker lost with the outcome buffered would run them again; a retry runs none of
+    them: see :mod:`celery_lease._follow_ups`), and
     a task run in the worker's main process itself (solo and threads pools, and
     ``celery.contrib.pytest``'s in-process worker): there the caller that sees
     Celery's result may read the row next, and it must be final.

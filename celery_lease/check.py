@@ -68,6 +68,10 @@ KINDS: dict[str, str] = {
     "republish_overdue": "PENDING, published, unclaimed past its re-publish window",
     "retry_overdue": "RETRY_WAIT past next_retry_at (reaper not running?)",
     "stuck_timeout": "resting in TIMEOUT, which only exists inside an expiry",
+    "follow_ups_overdue": (
+        "SUCCEEDED with follow-ups recorded and unpublished past lease_publish_grace "
+        "(reaper not running?)"
+    ),
     "manual_without_reason": "WAIT_MANUAL without a reason for the person who must decide",
     "orphan_audit": "audit rows of a task that has no row",
     "orphan_step": "step rows of a task that has no row",
@@ -143,7 +147,8 @@ def check(
             ``lease_reaper_interval``; raise it when the reaper runs less often).
         liveness: also report what only a running reaper would have fixed by now
             (``dead_owner``, ``unpublished``, ``republish_overdue``, ``retry_overdue``,
-            ``stuck_timeout``). Safety invariants are always checked.
+            ``stuck_timeout``, ``follow_ups_overdue``). Safety invariants are always
+            checked.
 
     Returns:
         The violations found, grouped by task; empty when everything holds.
@@ -234,7 +239,13 @@ def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterat
         yield Violation(
             "dead_owner", task_id, f"RUNNING attempt {row.attempt}, owner {owner} is gone"
         )
-    for kind in ("unpublished", "republish_overdue", "retry_overdue", "stuck_timeout"):
+    for kind in (
+        "unpublished",
+        "republish_overdue",
+        "retry_overdue",
+        "stuck_timeout",
+        "follow_ups_overdue",
+    ):
         if getattr(row, kind):
             yield Violation(kind, task_id, f"{state.value}: {KINDS[kind]}")
 

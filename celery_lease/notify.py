@@ -34,11 +34,12 @@ from typing import Any
 
 from celery import Celery
 
+from . import _follow_ups
 from ._message import request_context
 from .exceptions import TaskFailed
 from .records import TaskRecord
 from .states import CELERY_REPORTS, State
-from .store import Store, TransitionEvent
+from .store import FollowUps, Store, TransitionEvent
 
 logger = logging.getLogger("celery_lease.transitions")
 _log = logging.getLogger("celery_lease.notify")
@@ -358,6 +359,20 @@ class Notifier:
         from celery.backends.base import DisabledBackend
 
         app = self.app
+        if event.to_state is State.SUCCEEDED and record is not None and record.message:
+            # an operator's resolve: the result stored, counted in a chord, and the
+            # callbacks and the rest of a chain run with it, as after a run; recorded
+            # with the resolve (``follow_ups_at``), so the reaper sends them if this
+            # process cannot
+            row = FollowUps(
+                event.task_id,
+                record.name,
+                record.message,
+                json.dumps(record.result),
+                record.retries,
+            )
+            _follow_ups.replay(app, self.store, [row])
+            return
         if not app.conf.result_backend:
             return
         backend = app.backend
@@ -375,12 +390,9 @@ class Notifier:
         task_id = event.task_id
         to = event.to_state
         if to is State.SUCCEEDED:
-            # an operator's resolve: the final result, counted in a chord, and the
-            # callbacks and the rest of a chain run with it, as after a run
+            # an operator's resolve of a row without a stored message: its result
             result: Any = record.result if record is not None else None
             backend.mark_as_done(task_id, result, request=request, store_result=not ignore)
-            if event.from_state is State.WAIT_MANUAL:
-                _run_follow_ups(app, request, task_id, result)
         elif to is State.FAILED:
             failed = TaskFailed(task_id, event.reason, event.actor)
             backend.mark_as_failure(task_id, failed, request=request, store_result=not ignore)
@@ -499,20 +511,6 @@ def _request(
         delivery_info={},
         children=[],
     )
-
-
-def _run_follow_ups(app: Celery, request: Any, task_id: str, result: Any) -> None:
-    """What Celery's tracer does after a task succeeds: its callbacks, then the next task
-    of its chain, each with the result."""
-    from celery import signature
-
-    root_id = request.root_id or task_id
-    for callback in request.callbacks or ():
-        signature(callback, app=app).apply_async((result,), parent_id=task_id, root_id=root_id)
-    chain = list(request.chain or ())
-    if chain:
-        following = signature(chain.pop(), app=app)
-        following.apply_async((result,), chain=chain, parent_id=task_id, root_id=root_id)
 
 
 # -- wiring -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from celery import Celery, Task, shared_task
 
-from . import _publisher
+from . import _follow_ups, _publisher
 from ._broker import backlog_guard
 from ._crashpoints import crash_point
 from ._runtime import runtime
@@ -40,6 +40,9 @@ class ReapReport:
     publish_failed: int = 0
     #: Finished rows deleted by retention (``lease_retention``).
     purged: int = 0
+    #: SUCCEEDED rows whose recorded follow-ups the reaper published (their worker died
+    #: between the outcome and the follow-ups, or the broker refused them).
+    follow_ups: int = 0
     #: Published rows not re-published: the broker says their queue still holds messages.
     held: int = 0
     #: Audit rows folded into the transition totals (not an action: not in ``total``).
@@ -55,7 +58,14 @@ class ReapReport:
 
     @property
     def total(self) -> int:
-        return self.expired + self.overrun + self.due + self.republished + self.purged
+        return (
+            self.expired
+            + self.overrun
+            + self.due
+            + self.republished
+            + self.follow_ups
+            + self.purged
+        )
 
 
 class Reaper:
@@ -70,7 +80,7 @@ class Reaper:
 
     def sweep(self) -> ReapReport:
         """One full pass: expired leases, overruns, due retries, lost or unpublished rows,
-        the transition totals, retention."""
+        follow-ups recorded and not published, the transition totals, retention."""
         report = ReapReport()
         self._broker_down = False
         batch = self.store.config.reaper_batch_size
@@ -103,6 +113,7 @@ class Reaper:
             report.publish_failed += failed
             if len(rows) < batch or failed:
                 break
+        self.publish_follow_ups(report)
         self.store.add_counts({REPUBLISHED: report.republished})
         self.fold_transitions(report)  # before retention deletes audit rows (see _totals)
         self.purge_expired(report)
@@ -149,6 +160,24 @@ class Reaper:
             if len(rows) < batch or failed:
                 break
         return report.due
+
+    def publish_follow_ups(self, report: ReapReport | None = None) -> int:
+        """Publish the follow-ups recorded with a success and not marked published
+        after ``lease_publish_grace`` (chain, ``link`` callbacks, chord part-return)."""
+        if report is None:  # on its own, not a phase of a sweep: the broker is asked again
+            self._broker_down = False
+            report = ReapReport()
+        batch = self.store.config.reaper_batch_size
+        for _ in range(MAX_BATCHES):
+            if self._broker_down:
+                break
+            rows = self.store.take_follow_ups()
+            ok, failed = _follow_ups.replay(self.app, self.store, rows)
+            report.follow_ups += ok
+            report.publish_failed += failed
+            if len(rows) < batch or failed:
+                break
+        return report.follow_ups
 
     def publish(self, rows: Sequence[Publishable]) -> tuple[int, int]:
         """Publish PENDING rows' messages; rows left unpublished are retried after the grace."""

@@ -51,6 +51,10 @@ class TaskRecord:
     cancel_reason: str | None = None
     #: The message Celery built for the task, as stored (JSON text).
     message: str | None = None
+    #: A SUCCEEDED task's follow-ups (chain, ``link`` callbacks, chord part-return) were
+    #: recorded with its outcome and are not yet published: since when (``None``: none
+    #: left; the reaper publishes them after ``lease_publish_grace``).
+    follow_ups_at: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (times as ISO 8601)."""

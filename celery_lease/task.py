@@ -13,7 +13,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.result import AsyncResult
 
-from . import _attempt, _group_batches, _message, _submission
+from . import _attempt, _follow_ups, _group_batches, _message, _submission
 from ._crashpoints import crash_point
 from ._execution import Execution
 from ._runtime import install, runtime
@@ -216,6 +216,14 @@ class LeasedTask(Task[Any, Any]):
         if req.called_directly or req.is_eager:
             return self.run(*args, **kwargs)
         return _attempt.deliver(self, self.lease_options(runtime(self.app).config), args, kwargs)
+
+    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        """After Celery stored the result: a chord member's part-return, and its
+        follow-ups recorded with the outcome marked published (a subclass that overrides
+        this calls ``super().on_success(...)``; otherwise the reaper does the
+        part-return after ``lease_publish_grace``)."""
+        if _follow_ups.taken(self.request):
+            _follow_ups.finish(self, runtime(self.app).store, retval)
 
     def retry(
         self,

@@ -8,7 +8,11 @@ a mixed workload while a seeded schedule SIGKILLs pool children and whole worker
 (restarting them), freezes and resumes workers, makes the broker lose its queued
 messages and kills the store's database connections; then the system is left alone
 and every invariant is checked (see ``tests/crash/chaos.py``). Prints a summary table;
-exits 1 on any violation (the seed reproduces the schedule).
+exits 1 on any violation (the seed reproduces the schedule). On a violation nothing is
+dropped: the evidence of the tasks involved (rows with their stored messages, audit
+trails, steps, the result backend's keys and chord counters) is written to a JSON file
+next to the workers' logs, and the database and the Redis database are kept; the script
+prints where.
 
 Needs the services of the test suite (``CELERY_LEASE_TEST_PG_ADMIN_URL``,
 ``CELERY_LEASE_TEST_REDIS_URL``: a Redis database the script flushes, default 10).
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             settle_timeout=args.settle_timeout,
             restart_redis=restart,
             database_url=env.database_url,
+            evidence_dir=str(env.dir),
         )
         echo = None if args.quiet else (lambda line: print(line, flush=True))
         report = Soak(project, opts, env.redis_url, echo=echo).run()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, case, delete, select, update
 
 from .. import states
 from ..exceptions import TaskNotFound
@@ -89,6 +89,9 @@ class OperatorMixin(ReadsMixin, TotalsMixin):
             values["error"] = reason
         if to is State.SUCCEEDED:
             values["result"] = result
+            # a resolved task's follow-ups (chain, callbacks, chord part-return) are sent
+            # as after a run: recorded here, published after the commit or by the reaper
+            values["follow_ups_at"] = case((t.c.message.is_not(None), db_now()), else_=None)
         self._move(conn, [t.c.id == task_id], frm, to, reason=reason, actor=actor, values=values)
         return frm
 

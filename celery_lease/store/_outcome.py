@@ -33,9 +33,14 @@ class OutcomeMixin(StoreBase):
         reason: str,
         result: str | None = None,
         error: str | None = None,
+        follow_ups: bool = False,
     ) -> bool:
         """The execution's own outcome (SUCCEEDED, FAILED, CANCELLED, WAIT_MANUAL),
-        fenced by attempt and token. ``False``: the lease was lost; nothing was written."""
+        fenced by attempt and token. ``False``: the lease was lost; nothing was written.
+
+        ``follow_ups``: the success sends follow-ups (chain, ``link`` callbacks, chord
+        part-return), recorded with it (``follow_ups_at``) until :meth:`follow_ups_sent`
+        says they are published; the reaper publishes them if that never comes."""
         t = self.t.tasks
         params = {
             "b_task_id": lease.task_id,
@@ -52,8 +57,8 @@ class OutcomeMixin(StoreBase):
             return bool(
                 self._move_prepared(
                     conn,
-                    ("finish", to),
-                    self._finish_spec,
+                    ("finish", to, follow_ups),
+                    lambda: self._finish_spec(follow_ups),
                     params,
                     frm,
                     to,
@@ -77,9 +82,12 @@ class OutcomeMixin(StoreBase):
 
         return self._single_then(fast, op)
 
-    def _finish_spec(self) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
+    def _finish_spec(
+        self, follow_ups: bool = False
+    ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
         """Where and values of an outcome, fenced by bind parameters ``b_task_id``,
-        ``b_attempt`` and ``b_token``; ``b_result`` and ``b_error`` are stored."""
+        ``b_attempt`` and ``b_token``; ``b_result`` and ``b_error`` are stored; with
+        ``follow_ups``, the follow-ups are recorded as not yet published."""
         t = self.t.tasks
         where = [
             t.c.id == bindparam("b_task_id", type_=t.c.id.type),
@@ -91,6 +99,8 @@ class OutcomeMixin(StoreBase):
             "result": bindparam("b_result", type_=t.c.result.type),
             "error": bindparam("b_error", type_=t.c.error.type),
         }
+        if follow_ups:
+            values["follow_ups_at"] = db_now()
         return where, values, ()
 
     def schedule_retry(

@@ -39,8 +39,8 @@ class InvariantPage:
     ``tasks`` rows carry the task's own columns (``id``, ``state``, ``attempt``,
     ``token``, ``owner``, ``reason``), the owner's ``nodename`` and one boolean per
     liveness deadline passed (``dead_owner``, ``unpublished``, ``republish_overdue``,
-    ``retry_overdue``, ``stuck_timeout``); ``audits`` and ``steps`` are the pages' audit
-    and step rows, ordered by task."""
+    ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``); ``audits`` and
+    ``steps`` are the pages' audit and step rows, ordered by task."""
 
     tasks: list[Row[Any]]
     audits: list[Row[Any]]
@@ -94,6 +94,7 @@ class ReadsMixin(StoreBase):
             cancel_actor=m["cancel_actor"],
             cancel_reason=m["cancel_reason"],
             message=m["message"],
+            follow_ups_at=m["follow_ups_at"],
         )
 
     def get(self, task_id: str) -> TaskRecord | None:
@@ -338,6 +339,10 @@ class ReadsMixin(StoreBase):
             t.c.state == State.RETRY_WAIT.value, after(t.c.next_retry_at, grace) < now
         )
         stuck_timeout = and_(t.c.state == State.TIMEOUT.value, after(t.c.updated_at, grace) < now)
+        follow_ups_overdue = and_(
+            t.c.follow_ups_at.is_not(None),
+            after(t.c.follow_ups_at, self.config.publish_grace + grace) < now,
+        )
         task_q = (
             select(
                 t.c.id,
@@ -352,6 +357,7 @@ class ReadsMixin(StoreBase):
                 republish_overdue.label("republish_overdue"),
                 retry_overdue.label("retry_overdue"),
                 stuck_timeout.label("stuck_timeout"),
+                follow_ups_overdue.label("follow_ups_overdue"),
             )
             .select_from(t.outerjoin(w, w.c.id == t.c.owner))
             .where(t.c.id.in_(ids))

@@ -15,6 +15,7 @@ from ._bulk import BulkMixin
 from ._claim import ClaimMixin
 from ._claim_many import ClaimManyMixin
 from ._expiry import ExpiryMixin
+from ._follow_ups import FollowUpsMixin
 from ._health import HealthMixin
 from ._operator import OperatorMixin
 from ._outcome import OutcomeMixin
@@ -34,6 +35,7 @@ class Store(
     OutcomesMixin,
     PublishingMixin,
     ExpiryMixin,
+    FollowUpsMixin,
     OutcomeMixin,
     ClaimManyMixin,
     ClaimMixin,

@@ -127,6 +127,19 @@ class Publishable:
 
 
 @dataclasses.dataclass(frozen=True)
+class FollowUps:
+    """A SUCCEEDED row whose recorded follow-ups are still to be published."""
+
+    id: str
+    name: str
+    #: The stored message: its chain, ``link`` callbacks and chord are the follow-ups.
+    message: str | None
+    #: The stored result (JSON), which each follow-up is given.
+    result: str | None
+    retries: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Expiry:
     """What happened to one expired lease."""
 

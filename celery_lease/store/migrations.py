@@ -84,6 +84,21 @@ def _transition_totals(conn: Connection, tables: Tables) -> None:
         conn.execute(insert(wm).values(id=1, upto=0))
 
 
+def _follow_ups(conn: Connection, tables: Tables) -> None:
+    # the baseline creates today's tables, which already have the column
+    tasks = tables.tasks
+    have = {c["name"] for c in inspect(conn).get_columns(tasks.name, schema=tasks.schema)}
+    if "follow_ups_at" not in have:
+        preparer = conn.dialect.identifier_preparer
+        kind = tasks.c.follow_ups_at.type.compile(dialect=conn.dialect)
+        conn.exec_driver_sql(
+            f"ALTER TABLE {preparer.format_table(tasks)} ADD COLUMN follow_ups_at {kind}"
+        )
+    for index in tasks.indexes:
+        if index.name == f"{tasks.name}_follow_ups":
+            index.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -94,6 +109,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         "transition totals folded from the audit table, their watermark; SQLite: audit "
         "ids never reused",
         _transition_totals,
+    ),
+    Migration(
+        6,
+        "tasks.follow_ups_at: follow-ups recorded with a success and not yet published",
+        _follow_ups,
     ),
 )
 

@@ -26,7 +26,7 @@ from sqlalchemy import (
 from ._sql import DbTime
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: The states retention deletes, written out as SQL so that a query naming them in the
 #: same words can use the partial index on ``finished_at`` whatever plan it gets.
@@ -99,6 +99,10 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         # every publication sends it, so chains, callbacks and limits survive. Last, as
         # the migration that added it left it
         Column("message", Text),
+        # a SUCCEEDED row's follow-ups (chain, link callbacks, chord part-return) were
+        # recorded with its outcome and are not yet published: since when (or since a
+        # reaper last took them). NULL: none, or all published
+        Column("follow_ups_at", DbTime()),
         Index(f"{prefix}tasks_dedup_key", "dedup_key", unique=True),
         Index(f"{prefix}tasks_state_created", "state", "created_at"),
         Index(f"{prefix}tasks_name_state", "name", "state"),
@@ -120,6 +124,13 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
             "published_at",
             postgresql_where=text("state = 'PENDING'"),
             sqlite_where=text("state = 'PENDING'"),
+        ),
+        # the reaper's sweep of follow-ups recorded and not published
+        Index(
+            f"{prefix}tasks_follow_ups",
+            "follow_ups_at",
+            postgresql_where=text("follow_ups_at IS NOT NULL"),
+            sqlite_where=text("follow_ups_at IS NOT NULL"),
         ),
         # retention and the health figures read finished rows by finish time; name and
         # state let the per-task counts of a window be read from the index alone

@@ -45,12 +45,14 @@ import multiprocessing
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from celery import chain, chord
@@ -66,6 +68,7 @@ from .chaos_checks import (
     Fault,
     FollowUp,
     Report,
+    keep_evidence,
     unsettled_followups,
     verify,
 )
@@ -237,6 +240,8 @@ class Options:
     restart_redis: bool = False
     #: the store's database URL, for ``pg_terminate``
     database_url: str = ""
+    #: where the evidence of a violation is written ("": a new temporary directory)
+    evidence_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,6 +493,10 @@ class Soak:
                 if proc.is_alive():
                     proc.kill()
         verify(self.p, self.report)
+        if not self.report.ok:
+            directory = self.opts.evidence_dir or tempfile.mkdtemp(prefix="celery-lease-soak-")
+            path = keep_evidence(self.p, self.report, self.redis_url, Path(directory))
+            self.log(f"violations: evidence (rows, audit, messages, chord keys) kept in {path}")
         return self.report
 
     def _play(

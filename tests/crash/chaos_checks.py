@@ -14,6 +14,7 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from celery_lease import State, TaskRecord
@@ -123,6 +124,8 @@ class Report:
     chaos_wall: float = 0.0
     settle_wall: float = 0.0
     log: list[str] = dataclasses.field(default_factory=list)
+    #: where the evidence of the violations was written (:func:`keep_evidence`)
+    evidence: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -196,6 +199,7 @@ class Report:
         return (
             f"chaos soak seed {self.opts.seed} failed (reproduce with {SEED_ENV}="
             f"{self.opts.seed}): {len(self.violations)} violations\n"
+            + (f"evidence kept in {self.evidence}\n" if self.evidence else "")
             + "\n".join(f"  - {v}" for v in shown)
             + (f"\n  ... {more} more" if more else "")
             + "\n\n"
@@ -408,3 +412,78 @@ def _recovery(project: LeasedProject, report: Report) -> None:
 
 def _utc(at: datetime) -> datetime:
     return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
+
+
+# -- evidence -------------------------------------------------------------------------------
+
+
+def involved(report: Report) -> list[str]:
+    """The tasks a violation names, with the predecessors of its follow-ups."""
+    text = "\n".join(report.violations)
+    ids = {t for t in report.kinds if t in text}
+    for f in report.followups:
+        if f.task_id in text or f.key in text:
+            ids.update((f.task_id, *f.after))
+    return sorted(ids)
+
+
+def keep_evidence(project: LeasedProject, report: Report, redis_url: str, directory: Path) -> Path:
+    """Write what a violation needs to be understood, before anything is dropped: the
+    rows of the tasks involved (with their stored messages and ``follow_ups_at``), their
+    audit trails and steps, and the result backend's keys of them and of their chords
+    (``celery-task-meta-<id>``, the group's ``.j``/``.t``/``.s``/``.d``/``.c`` keys)."""
+    import json
+
+    import redis
+
+    from celery_lease._message import decode
+
+    store = project.store
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
+    tasks: dict[str, Any] = {}
+    keys: dict[str, Any] = {}
+    try:
+        for task_id in involved(report):
+            record = store.get(task_id)
+            entry: dict[str, Any] = {"kind": report.kinds.get(task_id)}
+            if record is not None:
+                entry["row"] = record.as_dict()
+                entry["audit"] = [dataclasses.asdict(t) for t in store.history(task_id)]
+                entry["steps"] = [dataclasses.asdict(s) for s in store.steps(task_id)]
+            patterns = [f"*{task_id}*"]
+            if record is not None and record.message:
+                headers, _ = decode(project.module.app, record.message)
+                if headers.get("group"):
+                    patterns.append(f"*{headers['group']}*")
+            for pattern in patterns:
+                for key in client.scan_iter(match=pattern, count=1000):
+                    keys[key.decode()] = _redis_value(client, key)
+            tasks[task_id] = entry
+    finally:
+        client.close()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"soak-{report.opts.seed}-evidence.json"
+    evidence = {
+        "seed": report.opts.seed,
+        "violations": report.violations,
+        "tasks": tasks,
+        "redis_keys": keys,
+    }
+    path.write_text(json.dumps(evidence, indent=2, default=str))
+    report.evidence = str(path)
+    return path
+
+
+def _redis_value(client: Any, key: bytes) -> Any:
+    kind = client.type(key).decode()
+    if kind == "string":
+        return client.get(key)
+    if kind == "list":
+        return client.lrange(key, 0, -1)
+    if kind == "zset":
+        return client.zrange(key, 0, -1, withscores=True)
+    if kind == "set":
+        return sorted(client.smembers(key))
+    if kind == "hash":
+        return client.hgetall(key)
+    return kind

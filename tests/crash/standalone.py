@@ -58,8 +58,9 @@ class Standalone:
     """A scratch environment: ``with Standalone() as env: p = env.project(SOURCE, ...)``.
 
     Everything started is killed on exit, the database is dropped, the Redis database
-    flushed; the directory with the workers' logs is kept when ``keep`` is set (or the
-    block raised) and its path printed.
+    flushed; when ``keep`` is set (a violation) or the block raised, the database, the
+    Redis database and the directory with the workers' logs are kept instead, and
+    where they are is printed.
     """
 
     def __init__(
@@ -102,15 +103,24 @@ class Standalone:
         for store in self.stores:
             with contextlib.suppress(Exception):
                 store.dispose()
+        if self.keep or kind is not None:
+            # the evidence stays: the rows, audit trails, steps and stored messages in
+            # the database, the queues and the result backend's keys (chords) in Redis
+            url = make_url(self.database_url).render_as_string(hide_password=True)
+            print(
+                f"worker logs kept in {self.dir}\ndatabase kept: {url} (schemas "
+                f"{', '.join(sorted({s.config.schema or 'public' for s in self.stores}))}; "
+                f"drop it with DROP DATABASE {self.database})\nRedis database kept: "
+                f"{self.redis_url} (flushed by the next run)",
+                flush=True,
+            )
+            return
         with contextlib.suppress(Exception):
             _flush_redis(self.redis_url)
         name = sql.Identifier(self.database)
         with contextlib.suppress(Exception):
             _pg(self.pg_admin_url, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-        if self.keep or kind is not None:
-            print(f"worker logs kept in {self.dir}", flush=True)
-        else:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def flush_redis(self) -> None:
         _flush_redis(self.redis_url)

@@ -12,11 +12,15 @@ shared services (``CELERY_LEASE_TEST_EXCLUSIVE=1``, or no other test session run
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
+from celery import chord
 
 from .chaos import SOURCE, TIMINGS, Options, Soak, seed_from_env
+from .chaos_checks import FollowUp, Report, keep_evidence
 from .faults import EXCLUSIVE_ENV, foreign_sessions
 from .support import LeaseEnv, pg_only
 
@@ -26,7 +30,7 @@ from .support import LeaseEnv, pg_only
 @pytest.mark.exclusive  # may restart Redis: no other xdist worker's test runs meanwhile
 @pytest.mark.timeout(420)
 def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
-    lease_env: LeaseEnv, redis_url: str
+    lease_env: LeaseEnv, redis_url: str, tmp_path: Path
 ) -> None:
     p = lease_env.project(broker_url=redis_url, source=SOURCE, **TIMINGS)
     exclusive = os.environ.get(EXCLUSIVE_ENV) == "1" or not foreign_sessions()
@@ -39,7 +43,37 @@ def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
         settle_timeout=120.0,
         restart_redis=exclusive,
         database_url=p.store.config.database_url,
+        # on a violation: the rows, audit trails, messages and chord keys involved,
+        # written before the fixtures drop the database and flush Redis
+        evidence_dir=str(tmp_path / "evidence"),
     )
     report = Soak(p, opts, redis_url, echo=print).run()
     print(report.table())
     assert report.ok, report.failure_message()
+
+
+def test_a_violation_keeps_its_evidence(
+    lease_env: LeaseEnv, redis_url: str, tmp_path: Path
+) -> None:
+    # what the soak writes before anything is dropped: the rows (with their stored
+    # messages), audit trails and steps of the tasks a violation names, and the result
+    # backend's keys of them and of their chords
+    p = lease_env.project(broker_url=redis_url, source=SOURCE, **TIMINGS)
+    app = p.module.app
+    idem, follow = app.tasks["soak.idem"], app.tasks["soak.follow"]
+    chorded = chord(idem.s(f"k{i}", 0, 0) for i in range(2))(follow.s("kc", "chord"))
+    members = [r.id for r in chorded.parent.results]
+    report = Report(Options(seed=1))
+    report.kinds = dict.fromkeys(members, "chord")
+    report.followups = [FollowUp("chord", "kc", "chord", chorded.id, tuple(members))]
+    report.violations = [f"chord follow-up chord of kc ({chorded.id}) never ran"]
+
+    path = keep_evidence(p, report, redis_url, tmp_path)
+    evidence = json.loads(path.read_text())
+    assert report.evidence == str(path) and evidence["violations"] == report.violations
+    assert set(evidence["tasks"]) == {chorded.id, *members}
+    member = evidence["tasks"][members[0]]
+    assert member["row"]["message"] and member["row"]["state"] == "PENDING"
+    assert [a["to_state"] for a in member["audit"]] == ["PENDING"]
+    group = chorded.parent.id
+    assert any(group in key for key in evidence["redis_keys"])  # the chord's counter keys

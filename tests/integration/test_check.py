@@ -236,12 +236,16 @@ def test_liveness_violations_need_the_reaper(raw_store: Store) -> None:
     with store.engine.begin() as conn:
         conn.execute(update(t).where(t.c.id == manual.task_id).values(reason=""))
     assert store.finish(manual, State.WAIT_MANUAL, actor="w", reason="")
+    # SUCCEEDED with its follow-ups recorded and never published
+    followed = running(store)
+    assert store.finish(followed, State.SUCCEEDED, actor="w", reason="ok", follow_ups=True)
 
     expected = {
         "dead_owner": 1,
         "unpublished": 1,
         "retry_overdue": 1,
         "manual_without_reason": 1,
+        "follow_ups_overdue": 1,
     }
     found = wait_until(
         lambda: (got := kinds(check(store, grace=0.1))) == expected and got,
@@ -253,6 +257,7 @@ def test_liveness_violations_need_the_reaper(raw_store: Store) -> None:
     assert by_kind["dead_owner"] == dead.task_id
     assert by_kind["unpublished"] == unpublished
     assert by_kind["retry_overdue"] == retry.task_id
+    assert by_kind["follow_ups_overdue"] == followed.task_id
     # with liveness off (or a generous grace) only the safety invariants remain
     assert kinds(check(store, liveness=False)) == {"manual_without_reason": 1}
     assert kinds(check(store, grace=3600)) == {"manual_without_reason": 1}

@@ -4,12 +4,15 @@ and their messages must be built and stored like any other."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from celery import chain, chord
 
-from celery_lease import State
+from celery_lease import State, _follow_ups, admin
+from celery_lease._follow_ups import callback_id
+from celery_lease.store import FollowUps
 
 from ..crash.support import LeaseEnv
 from ..helpers import wait_until
@@ -30,6 +33,13 @@ def retry_once(self, x):
 @app.task(base=LeasedTask, shared=False, name="f.total")
 def total(values):
     return sum(values)
+
+@app.task(
+    base=LeasedTask, bind=True, shared=False, name="f.manual", max_retries=0,
+    on_exhausted="manual",
+)
+def manual(self, x):
+    raise self.retry(countdown=0)
 """
 
 
@@ -71,3 +81,92 @@ def test_chain_link_and_chord_follow_ups_run_once_as_leased_tasks(
     linked_rows = [r for r in p.store.list_tasks(limit=100) if r.args == [10]]
     assert len(linked_rows) == 1 and linked_rows[0].state is State.SUCCEEDED
     assert linked_rows[0].result == 20
+    # every head's follow-ups were recorded with its outcome and marked published
+    heads = [chained.parent.parent.id, chained.parent.id, linked.id, retried.id]
+    heads += [r.id for r in chorded.parent.results]
+    for task_id in heads:
+        wait_until(
+            lambda task_id=task_id: p.store.get(task_id).follow_ups_at is None,
+            timeout=30,
+            message=f"the follow-ups of {task_id} were marked published",
+        )
+
+
+@pytest.mark.parametrize("synced", [True, False], ids=["resolver", "reaper"])
+def test_a_resolved_task_sends_its_follow_ups_once(
+    lease_env: LeaseEnv, redis_url: str, synced: bool
+) -> None:
+    # resolve records the follow-ups with the row's SUCCEEDED; the process that resolved
+    # publishes them (its notifier), or, when it has none, the worker's reaper does
+    p = lease_env.project(
+        broker_url=redis_url,
+        source=PROJECT,
+        settings={
+            "result_backend": redis_url,
+            "lease_result_backend_sync": synced,
+            "lease_send_events": synced,
+        },
+    )
+    app = p.module.app
+    p.worker()
+    head = app.tasks["f.manual"].apply_async((1,), link=app.tasks["f.double"].s())
+    p.wait_state(head.id, State.WAIT_MANUAL, timeout=60)
+
+    admin(app).resolve(head.id, reason="done by hand", result=7)
+    resolved = p.get(head.id)
+    assert resolved.state is State.SUCCEEDED
+    follow_up = p.wait_state(callback_id(head.id, 0), State.SUCCEEDED, timeout=60)
+    assert follow_up.result == 14 and follow_up.attempt == 1
+    wait_until(
+        lambda: p.store.get(head.id).follow_ups_at is None,
+        timeout=30,
+        message="the resolved task's follow-ups were marked published",
+    )
+    assert head.get(timeout=30) == 7  # the result a caller waits for was stored
+    assert [r.args for r in p.store.list_tasks(limit=100) if r.name == "f.double"] == [[7]]
+
+
+def test_a_chord_member_replayed_while_its_callback_is_claimed_waits_for_the_claim(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    # the reaper's replay of a chord member whose worker died inside the Redis
+    # backend's part-return, holding the claim to publish the chord's callback: the
+    # follow-ups stay recorded until the claim expires and a repeated part-return
+    # publishes the callback; each member is counted once
+    p = lease_env.project(
+        broker_url=redis_url, source=PROJECT, settings={"result_backend": redis_url}
+    )
+    app = p.module.app
+    double, total = app.tasks["f.double"], app.tasks["f.total"]
+    chorded = chord(double.s(i) for i in range(2))(total.s())
+    members = [r.id for r in chorded.parent.results]
+    for i, task_id in enumerate(members):  # as their workers would write them
+        claim = p.store.claim(task_id, "w", "worker:w")
+        assert p.store.finish(
+            claim.lease,
+            State.SUCCEEDED,
+            actor="worker:w",
+            reason="ok",
+            result=str(2 * i),
+            follow_ups=True,
+        )
+
+    def replay(task_id: str) -> tuple[int, int]:
+        r = p.get(task_id)
+        row = FollowUps(r.id, r.name, r.message, json.dumps(r.result), r.retries)
+        return _follow_ups.replay(app, p.store, [row])
+
+    claim_key = app.backend.get_key_for_group(chorded.parent.id, ".c")
+    assert replay(members[0]) == (1, 0)  # counted: one of two, nothing to publish
+    assert p.get(members[0]).follow_ups_at is None
+    redis = app.backend.client
+    redis.set(claim_key, "a-dead-workers-claim")
+    assert replay(members[1]) == (0, 1)  # counted, but the callback's claim is taken
+    assert p.get(members[1]).follow_ups_at is not None
+    assert p.store.get(chorded.id) is None
+    redis.delete(claim_key)  # the claim expired
+    assert replay(members[1]) == (1, 0)
+    body = p.get(chorded.id)  # the callback, published once with both results
+    assert body.state is State.PENDING and body.args == [[0, 2]]
+    assert p.get(members[1]).follow_ups_at is None
+    assert redis.get(claim_key) == b"done"

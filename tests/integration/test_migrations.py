@@ -13,6 +13,7 @@ from sqlalchemy import Engine, create_engine, func, insert, inspect, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateSchema
 
+from celery_lease import State
 from celery_lease.exceptions import SchemaOutOfDate, StoreError
 from celery_lease.store import SCHEMA_VERSION, NewTask, build
 from celery_lease.store._sql import db_now
@@ -125,9 +126,11 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         id="kept", name="t", args="[]", kwargs="{}", options="{}", lease_ttl=1.0, max_recoveries=1
     )
     store.submit(task)
-    # back to what version 1 created: no finished index, counters, pauses or message
+    # back to what version 1 created: no finished index, counters, pauses, message or
+    # follow-ups
     t = store.t
     with store.engine.begin() as conn:
+        drop_follow_ups(store, conn)
         next(i for i in t.tasks.indexes if i.name.endswith("_finished")).drop(conn)
         t.counters.drop(conn)
         t.pauses.drop(conn)
@@ -201,9 +204,10 @@ def test_a_version_4_database_gains_the_transition_totals_and_keeps_its_audit_tr
     t = store.t
     tr = t.transitions
     with store.engine.begin() as conn:  # the database as schema version 4 left it
+        drop_follow_ups(store, conn)
         t.transition_totals.drop(conn)
         t.transition_watermark.drop(conn)
-        conn.execute(t.version.delete().where(t.version.c.version == 5))
+        conn.execute(t.version.delete().where(t.version.c.version >= 5))
         if not store.is_pg:  # a rowid audit table, without AUTOINCREMENT
             ddl = conn.exec_driver_sql(
                 "SELECT sql FROM sqlite_master WHERE name = ?", (tr.name,)
@@ -241,6 +245,44 @@ def test_a_version_4_database_gains_the_transition_totals_and_keeps_its_audit_tr
     # the reaper folds the trail that was there before the upgrade, and the new row
     assert store.fold_transitions(settle=0).rows == 3
     assert store.transition_totals(tail=0).counts == {(None, "PENDING"): 3}
+
+
+def drop_follow_ups(store: Any, conn: Any) -> None:
+    """Back to the tasks table before schema version 6: no ``follow_ups_at`` (nor its
+    index)."""
+    tasks = store.t.tasks
+    next(i for i in tasks.indexes if i.name.endswith("_follow_ups")).drop(conn)
+    table = store.engine.dialect.identifier_preparer.format_table(tasks)
+    conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN follow_ups_at")
+
+
+def test_a_version_5_database_gains_the_follow_ups_column_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    task = NewTask(
+        id="kept", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+    )
+    store.submit(task)
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 5 left it
+        drop_follow_ups(store, conn)
+        conn.execute(t.version.delete().where(t.version.c.version == 6))
+    assert store.schema_version() == 5
+
+    assert store.migrate() == (5, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert store.get("kept").state.value == "PENDING"
+    # the new column works: an outcome with follow-ups records them until they are sent
+    claim = store.claim("kept", "w", "worker:w")
+    assert store.finish(claim.lease, State.SUCCEEDED, actor="t", reason="ok", follow_ups=True)
+    with store.engine.connect() as conn:
+        marked = conn.execute(select(t.tasks.c.follow_ups_at).where(t.tasks.c.id == "kept"))
+        assert marked.scalar_one() is not None
+    store.follow_ups_sent(["kept"])
+    with store.engine.connect() as conn:
+        marked = conn.execute(select(t.tasks.c.follow_ups_at).where(t.tasks.c.id == "kept"))
+        assert marked.scalar_one() is None
 
 
 def test_migrate_is_idempotent(make_store):

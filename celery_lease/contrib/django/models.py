@@ -71,6 +71,11 @@ class Task(models.Model):
     cancel_requested_at = LeaseTimeField(null=True)
     cancel_actor = models.CharField(max_length=255, null=True)
     cancel_reason = models.TextField(null=True)
+    follow_ups_at = LeaseTimeField(
+        null=True,
+        help_text="Follow-ups recorded with the success and not yet published "
+        "(chain, link callbacks, chord part-return), since.",
+    )
 
     objects: ClassVar[LeaseManager] = LeaseManager()
 
