@@ -43,6 +43,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from .config import MAX_SECONDS
 from .states import RETRYABLE, STEP_DONE, STEP_STARTED, State, is_legal
 from .store import Store
 
@@ -64,6 +65,10 @@ KINDS: dict[str, str] = {
     ),
     "dead_owner": "RUNNING past its TTL with a dead, stopped or silent owner (reaper not running?)",
     "running_without_token": "a RUNNING row without a fencing token",
+    "duration_out_of_range": (
+        "a live row whose lease_ttl or max_runtime is not finite, not positive or over ten "
+        "years (written unchecked): the sweeps clamp it"
+    ),
     "unpublished": "PENDING, never published, past lease_publish_grace (reaper not running?)",
     "republish_overdue": "PENDING, published, unclaimed past its re-publish window",
     "retry_overdue": "RETRY_WAIT past next_retry_at (reaper not running?)",
@@ -78,6 +83,9 @@ KINDS: dict[str, str] = {
 
 #: Slack for comparing database times that went through SQLite's REAL column.
 _EPSILON = timedelta(milliseconds=2)
+
+#: States whose durations no sweep reads any more.
+_FINISHED = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 
 #: Tasks checked per round trip (bounded memory on a large store).
 _PAGE = 500
@@ -225,6 +233,13 @@ def _check_page(store: Store, ids: Sequence[str], slack: float, liveness: bool) 
 def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterator[Violation]:
     if state is State.RUNNING and not row.token:
         yield Violation("running_without_token", task_id, "RUNNING with no fencing token")
+    if state not in _FINISHED:
+        for option in ("lease_ttl", "max_runtime"):
+            value = getattr(row, option)
+            if value is not None and not 0 < float(value) <= MAX_SECONDS:
+                yield Violation(
+                    "duration_out_of_range", task_id, f"{option} {float(value)!r} out of range"
+                )
     if state is State.WAIT_MANUAL and not (row.reason or "").strip():
         yield Violation("manual_without_reason", task_id, "WAIT_MANUAL with an empty reason")
     if not liveness:

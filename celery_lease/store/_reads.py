@@ -346,6 +346,8 @@ class ReadsMixin(StoreBase):
                 t.c.token,
                 t.c.owner,
                 t.c.reason,
+                t.c.lease_ttl,
+                t.c.max_runtime,
                 w.c.nodename,
                 dead_owner.label("dead_owner"),
                 unpublished.label("unpublished"),
