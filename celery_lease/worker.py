@@ -376,7 +376,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.service.start()
         inc = self.service.incarnation
         self.service.claimer = _claimer.start_for(worker, self.service.rt, inc)
-        self.watcher.start(*consumer_controls(worker))
+        self.watcher.start(*consumer_controls(worker), fenced=lambda: inc.flags.fenced)
 
     def stop(self, worker: Any) -> None:
         self.watcher.stop()

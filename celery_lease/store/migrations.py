@@ -16,6 +16,8 @@ from collections.abc import Callable
 from sqlalchemy import Connection, insert, inspect, select
 from sqlalchemy.schema import CreateSchema
 
+from ..exceptions import SchemaOutOfDate
+from ._redact import redact
 from ._sql import db_now
 from .schema import SCHEMA_VERSION, Tables
 
@@ -100,6 +102,10 @@ MIGRATIONS: tuple[Migration, ...] = (
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"
 
 
+def _url(conn: Connection) -> str:
+    return redact(conn.engine.url.render_as_string(hide_password=True))
+
+
 def current_version(conn: Connection, tables: Tables) -> int | None:
     """The highest applied version, or ``None`` when the lease tables do not exist."""
     if not inspect(conn).has_table(tables.version.name, schema=tables.version.schema):
@@ -121,6 +127,9 @@ def migrate(conn: Connection, tables: Tables) -> tuple[int | None, int]:
             conn.execute(CreateSchema(schema, if_not_exists=True))
     tables.version.create(conn, checkfirst=True)
     before = current_version(conn, tables)
+    if before is not None and before > SCHEMA_VERSION:
+        # a newer release migrated this store: this code cannot read it, nor undo that
+        raise SchemaOutOfDate(before, SCHEMA_VERSION, _url(conn))
     for step in MIGRATIONS:
         if before is not None and step.version <= before:
             continue

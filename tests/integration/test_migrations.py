@@ -369,3 +369,9 @@ def test_a_newer_schema_is_refused_even_with_auto_migrate(make_store):
     with pytest.raises(SchemaOutOfDate) as info:
         fresh.ensure_schema()
     assert info.value.current == SCHEMA_VERSION + 1
+    # the code is older than the store: migrating cannot help, and it says which is needed
+    message = str(info.value)
+    assert "older than the store" in message and f"version {SCHEMA_VERSION + 1}" in message
+    assert "lease migrate" not in message
+    with pytest.raises(SchemaOutOfDate, match="older than the store"):
+        fresh.migrate()
