@@ -134,6 +134,10 @@ class Reaper:
         """Retention: delete finished rows older than ``lease_retention``, in batches."""
         report = report if report is not None else ReapReport()
         cfg = self.store.config
+        # tombstones of purged rows (retention or ``lease purge``) past their keep_until
+        for _ in range(MAX_BATCHES):
+            if self.store.purge_tombstones() < cfg.retention_batch_size:
+                break
         if cfg.retention is None:
             return 0
         for _ in range(MAX_BATCHES):

@@ -86,6 +86,10 @@ def _transition_totals(conn: Connection, tables: Tables) -> None:
         conn.execute(insert(wm).values(id=1, upto=0))
 
 
+def _purged(conn: Connection, tables: Tables) -> None:
+    tables.purged.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -97,6 +101,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ids never reused",
         _transition_totals,
     ),
+    Migration(6, "tombstones of purged task ids: a late message is not adopted", _purged),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

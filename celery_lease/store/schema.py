@@ -26,7 +26,7 @@ from sqlalchemy import (
 from ._sql import DbTime
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: The states retention deletes, written out as SQL so that a query naming them in the
 #: same words can use the partial index on ``finished_at`` whatever plan it gets.
@@ -51,6 +51,7 @@ class Tables:
     pause_log: Table
     transition_totals: Table
     transition_watermark: Table
+    purged: Table
 
 
 def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
@@ -250,6 +251,17 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("upto", BigInteger().with_variant(Integer, "sqlite"), nullable=False),
         Column("folded_at", DbTime()),
     )
+    # tombstones of purged rows: a message that arrives after its row was deleted (a
+    # cancelled task's queued countdown, a redelivery) must not be adopted as a new
+    # task; each is kept until no message of it is expected any more, then deleted
+    purged = Table(
+        f"{prefix}purged",
+        md,
+        Column("id", _ID, primary_key=True),
+        Column("purged_at", DbTime(), nullable=False),
+        Column("keep_until", DbTime(), nullable=False),
+        Index(f"{prefix}purged_keep_until", "keep_until"),
+    )
     return Tables(
         md,
         tasks,
@@ -263,4 +275,5 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         pause_log,
         transition_totals,
         transition_watermark,
+        purged,
     )

@@ -112,6 +112,7 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
             "pause_log",
             "transition_totals",
             "transition_watermark",
+            "purged",
         )
     }
     assert migrated == expected
@@ -134,6 +135,7 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         t.pause_log.drop(conn)
         t.transition_totals.drop(conn)
         t.transition_watermark.drop(conn)
+        t.purged.drop(conn)
         conn.exec_driver_sql(
             f"ALTER TABLE {store.engine.dialect.identifier_preparer.format_table(t.tasks)} "
             "DROP COLUMN message"
@@ -159,6 +161,7 @@ def test_a_version_3_database_gains_the_message_column_and_keeps_its_rows(make_s
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN message")
         store.t.transition_totals.drop(conn)
         store.t.transition_watermark.drop(conn)
+        store.t.purged.drop(conn)
         conn.execute(version.delete().where(version.c.version >= 4))
     assert store.schema_version() == 3
 
@@ -201,9 +204,10 @@ def test_a_version_4_database_gains_the_transition_totals_and_keeps_its_audit_tr
     t = store.t
     tr = t.transitions
     with store.engine.begin() as conn:  # the database as schema version 4 left it
+        t.purged.drop(conn)
         t.transition_totals.drop(conn)
         t.transition_watermark.drop(conn)
-        conn.execute(t.version.delete().where(t.version.c.version == 5))
+        conn.execute(t.version.delete().where(t.version.c.version >= 5))
         if not store.is_pg:  # a rowid audit table, without AUTOINCREMENT
             ddl = conn.exec_driver_sql(
                 "SELECT sql FROM sqlite_master WHERE name = ?", (tr.name,)
@@ -241,6 +245,25 @@ def test_a_version_4_database_gains_the_transition_totals_and_keeps_its_audit_tr
     # the reaper folds the trail that was there before the upgrade, and the new row
     assert store.fold_transitions(settle=0).rows == 3
     assert store.transition_totals(tail=0).counts == {(None, "PENDING"): 3}
+
+
+def test_a_version_5_database_gains_the_purged_tombstones_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    task = NewTask(
+        id="old", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+    )
+    store.submit(task)
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 5 left it
+        t.purged.drop(conn)
+        conn.execute(t.version.delete().where(t.version.c.version == 6))
+    assert store.schema_version() == 5
+
+    assert store.migrate() == (5, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert store.get("old") is not None and len(store.history("old")) == 1
 
 
 def test_migrate_is_idempotent(make_store):
