@@ -49,7 +49,18 @@ def publish_rows(
     sent: list[str] = []
     failed = 0
     broker_down = False
+    origin = store.config.origin
     for row in rows:
+        if row.origin is not None and row.origin != origin:
+            # another broker's row (an operator's retry through another app): left
+            # unpublished, its own app's reaper publishes it after lease_publish_grace
+            logger.info(
+                "task %s[%s]: not published to this app's broker; it belongs to %s",
+                row.name,
+                row.id,
+                row.origin,
+            )
+            continue
         if row.args is None:
             logger.error(
                 "task %s[%s]: arguments were not stored, cannot publish; "

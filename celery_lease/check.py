@@ -29,7 +29,9 @@ What it proves, and from what:
 * **Liveness** (needs the reaper to run): RUNNING rows whose owner is dead, stopped
   or silent for longer than the task's TTL plus ``grace``; PENDING rows never
   published (or whose message was lost) past their window plus ``grace``; RETRY_WAIT
-  rows overdue by ``grace``; rows resting in TIMEOUT (a transient state).
+  rows overdue by ``grace``; rows resting in TIMEOUT (a transient state); PENDING and
+  RETRY_WAIT rows of a broker no live worker uses (apps on several brokers sharing a
+  store: each reaper publishes only its own broker's rows, so no one publishes these).
   ``grace`` defaults to one reaper interval.
 * **Shape**: a RUNNING row without a fencing token, a WAIT_MANUAL row without a
   reason, audit rows or steps of a task that has no row.
@@ -73,6 +75,10 @@ KINDS: dict[str, str] = {
     "republish_overdue": "PENDING, published, unclaimed past its re-publish window",
     "retry_overdue": "RETRY_WAIT past next_retry_at (reaper not running?)",
     "stuck_timeout": "resting in TIMEOUT, which only exists inside an expiry",
+    "no_publisher": (
+        "PENDING or RETRY_WAIT on a broker no live worker uses: no reaper publishes it "
+        "(each app publishes only its own broker's rows)"
+    ),
     "manual_without_reason": "WAIT_MANUAL without a reason for the person who must decide",
     "orphan_audit": "audit rows of a task that has no row",
     "orphan_step": "step rows of a task that has no row",
@@ -252,6 +258,13 @@ def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterat
     for kind in ("unpublished", "republish_overdue", "retry_overdue", "stuck_timeout"):
         if getattr(row, kind):
             yield Violation(kind, task_id, f"{state.value}: {KINDS[kind]}")
+    if row.no_publisher:
+        yield Violation(
+            "no_publisher",
+            task_id,
+            f"{state.value} on broker {row.origin}: no live worker of an app on that broker; "
+            "start one (its reaper publishes the row)",
+        )
 
 
 def _check_trail(

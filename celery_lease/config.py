@@ -6,6 +6,7 @@ Settings are lowercase keys on the Celery configuration, so with Django's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -193,6 +194,11 @@ class LeaseConfig:
     #: Deliveries are claimed ahead only if expected to start within this many seconds
     #: (from the rate at which the worker starts tasks).
     claim_ahead_window: float = 1.0
+    #: Not a setting: the broker this app publishes to, its URL without the password
+    #: (from ``broker_url``; ``None``: not known). Every row and worker row records it,
+    #: and a reaper publishes only the rows of its own broker, so apps on different
+    #: brokers can share one store and table prefix (see :func:`broker_origin`).
+    origin: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", resolve_database_url(self.database_url))
@@ -329,6 +335,21 @@ def _is_set(conf: Any, key: str) -> bool:
         return False
 
 
+def broker_origin(broker_url: Any) -> str | None:
+    """What a row records of the broker its app publishes to: the broker URL without its
+    password (``redis://:**@host:6379/0``), at most 255 characters (longer: a digest)."""
+    if not broker_url or not isinstance(broker_url, str):
+        return None
+    from kombu.utils.url import maybe_sanitize_url
+
+    origin = str(maybe_sanitize_url(broker_url))
+    if len(origin) > 255:
+        import hashlib
+
+        origin = origin[:200] + "#" + hashlib.sha256(origin.encode()).hexdigest()[:32]
+    return origin
+
+
 def from_mapping(conf: Any) -> LeaseConfig:
     """Build a validated :class:`LeaseConfig` from a Celery ``app.conf`` (or any mapping).
 
@@ -348,4 +369,6 @@ def from_mapping(conf: Any) -> LeaseConfig:
         values[field] = _coerce(key, raw, kind)
     if "database_url" not in values and os.environ.get("CELERY_LEASE_DATABASE_URL"):
         values["database_url"] = os.environ["CELERY_LEASE_DATABASE_URL"]
+    with contextlib.suppress(KeyError, AttributeError):
+        values["origin"] = broker_origin(conf.get("broker_url"))
     return LeaseConfig(**values)

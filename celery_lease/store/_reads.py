@@ -19,6 +19,7 @@ from sqlalchemy import (
     Row,
     Select,
     and_,
+    exists,
     func,
     literal,
     literal_column,
@@ -338,6 +339,20 @@ class ReadsMixin(StoreBase):
             t.c.state == State.RETRY_WAIT.value, after(t.c.next_retry_at, grace) < now
         )
         stuck_timeout = and_(t.c.state == State.TIMEOUT.value, after(t.c.updated_at, grace) < now)
+        # a row to publish whose broker no live worker uses: no reaper will publish it
+        # (each publishes only its own broker's rows)
+        publisher = w.alias("publisher")
+        no_publisher = and_(
+            t.c.state.in_([State.PENDING.value, State.RETRY_WAIT.value]),
+            t.c.origin.is_not(None),
+            ~exists(
+                select(publisher.c.id).where(
+                    publisher.c.origin == t.c.origin,
+                    publisher.c.stopped_at.is_(None),
+                    after(publisher.c.heartbeat_at, self.config.ttl + grace) >= now,
+                )
+            ),
+        )
         task_q = (
             select(
                 t.c.id,
@@ -354,6 +369,8 @@ class ReadsMixin(StoreBase):
                 republish_overdue.label("republish_overdue"),
                 retry_overdue.label("retry_overdue"),
                 stuck_timeout.label("stuck_timeout"),
+                no_publisher.label("no_publisher"),
+                t.c.origin,
             )
             .select_from(t.outerjoin(w, w.c.id == t.c.owner))
             .where(t.c.id.in_(ids))

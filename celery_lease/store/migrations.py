@@ -90,6 +90,17 @@ def _purged(conn: Connection, tables: Tables) -> None:
     tables.purged.create(conn, checkfirst=True)
 
 
+def _origin(conn: Connection, tables: Tables) -> None:
+    # the baseline creates today's tables, which already have the columns
+    preparer = conn.dialect.identifier_preparer
+    for table in (tables.tasks, tables.workers):
+        have = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+        if "origin" not in have:
+            conn.exec_driver_sql(
+                f"ALTER TABLE {preparer.format_table(table)} ADD COLUMN origin VARCHAR(255)"
+            )
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -102,6 +113,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         _transition_totals,
     ),
     Migration(6, "tombstones of purged task ids: a late message is not adopted", _purged),
+    Migration(7, "tasks.origin, workers.origin: the broker of the row's app", _origin),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

@@ -26,7 +26,7 @@ from sqlalchemy import (
 from ._sql import DbTime
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: The states retention deletes, written out as SQL so that a query naming them in the
 #: same words can use the partial index on ``finished_at`` whatever plan it gets.
@@ -54,8 +54,10 @@ class Tables:
     purged: Table
 
 
-def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
-    """Define the tables with ``prefix`` in ``schema`` (``None``: default schema)."""
+def build(prefix: str = "lease_", schema: str | None = None, origin: str | None = None) -> Tables:
+    """Define the tables with ``prefix`` in ``schema`` (``None``: default schema);
+    ``origin`` (the app's broker, see :func:`celery_lease.config.broker_origin`) is what
+    every task and worker row this store inserts records."""
     md = MetaData(schema=schema)
     running = text("state = 'RUNNING'")
     tasks = Table(
@@ -100,6 +102,9 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         # every publication sends it, so chains, callbacks and limits survive. Last, as
         # the migration that added it left it
         Column("message", Text),
+        # the broker the row's app publishes to (URL without password): a reaper only
+        # publishes its own broker's rows (apps on other brokers may share the store)
+        Column("origin", String(255), default=origin),
         Index(f"{prefix}tasks_dedup_key", "dedup_key", unique=True),
         Index(f"{prefix}tasks_state_created", "state", "created_at"),
         Index(f"{prefix}tasks_name_state", "name", "state"),
@@ -179,6 +184,7 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("heartbeat_at", DbTime(), nullable=False),
         Column("stopped_at", DbTime()),
         Column("stop_reason", Text),
+        Column("origin", String(255), default=origin),
         Index(f"{prefix}workers_nodename", "nodename"),
     )
     locks = Table(

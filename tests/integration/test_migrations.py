@@ -136,6 +136,7 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         t.transition_totals.drop(conn)
         t.transition_watermark.drop(conn)
         t.purged.drop(conn)
+        _drop_origin(store, conn)
         conn.exec_driver_sql(
             f"ALTER TABLE {store.engine.dialect.identifier_preparer.format_table(t.tasks)} "
             "DROP COLUMN message"
@@ -158,6 +159,7 @@ def test_a_version_3_database_gains_the_message_column_and_keeps_its_rows(make_s
     t, version = store.t.tasks, store.t.version
     table = store.engine.dialect.identifier_preparer.format_table(t)
     with store.engine.begin() as conn:  # the database as schema version 3 left it
+        _drop_origin(store, conn)
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN message")
         store.t.transition_totals.drop(conn)
         store.t.transition_watermark.drop(conn)
@@ -258,12 +260,38 @@ def test_a_version_5_database_gains_the_purged_tombstones_and_keeps_its_rows(mak
     t = store.t
     with store.engine.begin() as conn:  # the database as schema version 5 left it
         t.purged.drop(conn)
-        conn.execute(t.version.delete().where(t.version.c.version == 6))
+        conn.execute(t.version.delete().where(t.version.c.version >= 6))
     assert store.schema_version() == 5
 
     assert store.migrate() == (5, SCHEMA_VERSION)
     assert schema_snapshot(store.engine, store.config.schema) == full
     assert store.get("old") is not None and len(store.history("old")) == 1
+
+
+def _drop_origin(store, conn):
+    """Drop the ``origin`` columns schema version 7 added (an older database's shape)."""
+    preparer = store.engine.dialect.identifier_preparer
+    for table in (store.t.tasks, store.t.workers):
+        conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(table)} DROP COLUMN origin")
+
+
+def test_a_version_6_database_gains_the_origin_columns_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    task = NewTask(
+        id="old", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+    )
+    store.submit(task)
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 6 left it
+        _drop_origin(store, conn)
+        conn.execute(t.version.delete().where(t.version.c.version == 7))
+    assert store.schema_version() == 6
+
+    assert store.migrate() == (6, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert store.get("old") is not None  # its origin unknown: every app may publish it
 
 
 def test_migrate_is_idempotent(make_store):
