@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,13 @@ from celery._state import get_current_task
 from celery.exceptions import Ignore
 
 from ._crashpoints import armed, step_crash_point
-from .exceptions import DuplicateStep, LeaseLost, NotSerializable, TaskCancelled
+from .exceptions import (
+    DuplicateStep,
+    InvalidSubmissionValue,
+    LeaseLost,
+    NotSerializable,
+    TaskCancelled,
+)
 from .states import STEP_DONE as DONE
 from .states import STEP_STARTED as STARTED
 from .store import Claim, FenceResult, RecordedStep, Store
@@ -19,12 +26,22 @@ from .store import Claim, FenceResult, RecordedStep, Store
 _MISSING = object()
 
 
-def encode(what: str, value: Any, limit: int | None = None) -> str:
-    """JSON-encode ``value`` or raise :class:`NotSerializable` naming ``what``."""
+def encode(what: str, value: Any, limit: int | None = None, *, argument: str | None = None) -> str:
+    """JSON-encode ``value`` or raise :class:`NotSerializable` naming ``what``.
+
+    A value nested too deeply for the encoder (a ``RecursionError``) is refused too:
+    with ``argument`` (a submission's ``args`` or ``kwargs``) as
+    :class:`InvalidSubmissionValue` naming it, otherwise as :class:`NotSerializable`.
+    """
     try:
         text = json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as error:
         raise NotSerializable(what, error) from error
+    except RecursionError:
+        deep = ValueError(f"nested deeper than JSON can store (about {sys.getrecursionlimit()})")
+        if argument is not None:
+            raise InvalidSubmissionValue(argument, f"{what} cannot be stored: {deep}") from None
+        raise NotSerializable(what, deep) from None
     if limit is not None and len(text) > limit:
         raise NotSerializable(what, ValueError(f"{len(text)} bytes, over the {limit}-byte limit"))
     return text

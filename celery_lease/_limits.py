@@ -16,6 +16,7 @@ import math
 from datetime import datetime, timezone
 from numbers import Real
 
+from .config import MAX_SECONDS
 from .exceptions import ArgumentsTooLarge, InvalidSubmissionType, InvalidSubmissionValue
 
 #: Longest task id, dedup key and task name, in characters (the columns are String(255)).
@@ -78,10 +79,15 @@ def check_schedule(countdown: object, eta: object) -> Schedule:
                 "countdown",
                 f"countdown must be a number of seconds, got {type(countdown).__name__}",
             )
-        seconds = float(countdown)
-        if not math.isfinite(seconds):
+        try:
+            seconds = float(countdown)
+        except OverflowError:  # an int past any float
+            seconds = math.inf
+        if not math.isfinite(seconds) or abs(seconds) > MAX_SECONDS:
             raise InvalidSubmissionValue(
-                "countdown", f"countdown must be a finite number of seconds, got {countdown!r}"
+                "countdown",
+                "countdown must be a finite number of seconds, at most "
+                f"{MAX_SECONDS:g} (ten years) either way, got {countdown!r}",
             )
         return Schedule(countdown=seconds, eta=None)
     if eta is None:

@@ -54,7 +54,18 @@ def publish_rows(
         # the reaper's TIMEOUT) reach the result backend before the message can start a
         # run: Celery writes that run's STARTED before its claim, and it is newer news
         notify.flush(store, notify.BEFORE_PUBLISH_TIMEOUT)
+    origin = store.config.origin
     for row in rows:
+        if row.origin is not None and row.origin != origin:
+            # another broker's row (an operator's retry through another app): left
+            # unpublished, its own app's reaper publishes it after lease_publish_grace
+            logger.info(
+                "task %s[%s]: not published to this app's broker; it belongs to %s",
+                row.name,
+                row.id,
+                row.origin,
+            )
+            continue
         if row.args is None:
             logger.error(
                 "task %s[%s]: arguments were not stored, cannot publish; "

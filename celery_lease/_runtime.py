@@ -77,14 +77,23 @@ class Runtime:
         return store
 
     def shortest_ttl(self) -> float:
-        """The shortest lease TTL among the app's leased tasks and the default: after
-        that long without a heartbeat some lease may already have been taken over, so
-        the worker self-fences."""
+        """The worker's self-fence limit: the shortest lease TTL among the default and
+        the app's leased tasks, each task's options checked first.
+
+        The heartbeat is one per worker, so the fence is too: after that long without a
+        renewal the shortest lease it may hold can have been taken over, and the worker
+        cannot tell which of its leases that is. Only checked values take part: a task
+        whose options are invalid raises :class:`ConfigurationError` (naming the task
+        and the option) and the worker refuses to start, so no invalid value can become
+        every task's fence. A valid short TTL does fence the worker's other tasks
+        sooner during an outage; route such tasks to workers of their own when that
+        matters (see ``docs/settings.md``, ``lease_ttl``).
+        """
         ttls = [self.config.ttl]
         for name in sorted(self.leased):
-            ttl = getattr(self.app.tasks.get(name), "lease_ttl", None)
-            if ttl is not None:
-                ttls.append(float(ttl))
+            options = getattr(self.app.tasks.get(name), "lease_options", None)
+            if options is not None:
+                ttls.append(float(options(self.config).lease_ttl))
         return min(ttls)
 
     def reset(self) -> None:

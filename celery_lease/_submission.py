@@ -86,8 +86,8 @@ def prepare(
         InvalidSubmission: an argument is outside the documented limits.
     """
     config = runtime(task.app).config
-    args_text = encode(f"arguments of {task.name}", list(args or ()))
-    kwargs_text = encode(f"keyword arguments of {task.name}", dict(kwargs or {}))
+    args_text = encode(f"arguments of {task.name}", list(args or ()), argument="args")
+    kwargs_text = encode(f"keyword arguments of {task.name}", dict(kwargs or {}), argument="kwargs")
     eta = options.get("eta")
     if isinstance(eta, datetime) and eta.tzinfo is None:
         eta = eta.replace(tzinfo=task.app.timezone)

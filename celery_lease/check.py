@@ -29,7 +29,9 @@ What it proves, and from what:
 * **Liveness** (needs the reaper to run): RUNNING rows whose owner is dead, stopped
   or silent for longer than the task's TTL plus ``grace``; PENDING rows never
   published (or whose message was lost) past their window plus ``grace``; RETRY_WAIT
-  rows overdue by ``grace``; rows resting in TIMEOUT (a transient state).
+  rows overdue by ``grace``; rows resting in TIMEOUT (a transient state); PENDING and
+  RETRY_WAIT rows of a broker no live worker uses (apps on several brokers sharing a
+  store: each reaper publishes only its own broker's rows, so no one publishes these).
   ``grace`` defaults to one reaper interval.
 * **Shape**: a RUNNING row without a fencing token, a WAIT_MANUAL row without a
   reason, audit rows or steps of a task that has no row.
@@ -43,6 +45,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from .config import MAX_SECONDS
 from .states import RETRYABLE, STEP_DONE, STEP_STARTED, State, is_legal
 from .store import Store
 
@@ -64,6 +67,10 @@ KINDS: dict[str, str] = {
     ),
     "dead_owner": "RUNNING past its TTL with a dead, stopped or silent owner (reaper not running?)",
     "running_without_token": "a RUNNING row without a fencing token",
+    "duration_out_of_range": (
+        "a live row whose lease_ttl or max_runtime is not finite, not positive or over ten "
+        "years (written unchecked): the sweeps clamp it"
+    ),
     "unpublished": "PENDING, never published, past lease_publish_grace (reaper not running?)",
     "republish_overdue": "PENDING, published, unclaimed past its re-publish window",
     "retry_overdue": "RETRY_WAIT past next_retry_at (reaper not running?)",
@@ -71,6 +78,10 @@ KINDS: dict[str, str] = {
     "follow_ups_overdue": (
         "SUCCEEDED with follow-ups recorded and unpublished past lease_publish_grace "
         "(reaper not running?)"
+    ),
+    "no_publisher": (
+        "PENDING or RETRY_WAIT on a broker no live worker uses: no reaper publishes it "
+        "(each app publishes only its own broker's rows)"
     ),
     "manual_without_reason": "WAIT_MANUAL without a reason for the person who must decide",
     "orphan_audit": "audit rows of a task that has no row",
@@ -82,6 +93,9 @@ KINDS: dict[str, str] = {
 
 #: Slack for comparing database times that went through SQLite's REAL column.
 _EPSILON = timedelta(milliseconds=2)
+
+#: States whose durations no sweep reads any more.
+_FINISHED = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 
 #: Tasks checked per round trip (bounded memory on a large store).
 _PAGE = 500
@@ -230,6 +244,13 @@ def _check_page(store: Store, ids: Sequence[str], slack: float, liveness: bool) 
 def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterator[Violation]:
     if state is State.RUNNING and not row.token:
         yield Violation("running_without_token", task_id, "RUNNING with no fencing token")
+    if state not in _FINISHED:
+        for option in ("lease_ttl", "max_runtime"):
+            value = getattr(row, option)
+            if value is not None and not 0 < float(value) <= MAX_SECONDS:
+                yield Violation(
+                    "duration_out_of_range", task_id, f"{option} {float(value)!r} out of range"
+                )
     if state is State.WAIT_MANUAL and not (row.reason or "").strip():
         yield Violation("manual_without_reason", task_id, "WAIT_MANUAL with an empty reason")
     if not liveness:
@@ -248,6 +269,13 @@ def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterat
     ):
         if getattr(row, kind):
             yield Violation(kind, task_id, f"{state.value}: {KINDS[kind]}")
+    if row.no_publisher:
+        yield Violation(
+            "no_publisher",
+            task_id,
+            f"{state.value} on broker {row.origin}: no live worker of an app on that broker; "
+            "start one (its reaper publishes the row)",
+        )
 
 
 def _check_trail(

@@ -6,7 +6,9 @@ Settings are lowercase keys on the Celery configuration, so with Django's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 import re
 from typing import Any
@@ -86,6 +88,40 @@ def database_url_origin(conf: Any) -> str:
 
 #: Default ``lease_retention``: finished rows are kept a week.
 DEFAULT_RETENTION = 7 * 86400.0
+
+#: Longest duration any setting or task option may take: ten years. Every database's
+#: interval arithmetic and every timer of the standard library holds it, so no stored
+#: value can make a sweep's statement fail (PostgreSQL refuses ``1e300 seconds`` as an
+#: interval, for every row of the statement). The store also clamps to it, for rows an
+#: older version wrote unchecked.
+MAX_SECONDS = 10 * 365 * 86400.0
+#: Longest of the database waits (``lease_db_timeout``, ``lease_db_connect_timeout``,
+#: ``lease_sqlite_busy_timeout``): a day. Drivers take them as 32-bit milliseconds.
+MAX_DB_WAIT = 86400.0
+
+
+def check_seconds(
+    name: str, value: Any, *, zero: bool = False, maximum: float = MAX_SECONDS
+) -> float:
+    """``value`` as a number of seconds, or :class:`ConfigurationError` naming ``name``.
+
+    A duration is a finite number, more than 0 (or at least 0 with ``zero``) and at
+    most ``maximum``: ``inf``, ``nan``, ``1e300``, negatives and text that is not a
+    number are refused where they are given, never met later by a sweep.
+    """
+    lowest = "at least 0" if zero else "more than 0"
+    wanted = f"a number of seconds, {lowest} and at most {maximum:g}"
+    if isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be {wanted}, got {value!r}")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigurationError(f"{name} must be {wanted}, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
+        raise ConfigurationError(f"{name} must be {wanted}, got {value!r}")
+    if seconds > maximum:
+        raise ConfigurationError(f"{name} must be {wanted}, got {value!r}")
+    return seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,25 +225,34 @@ class LeaseConfig:
     #: Deliveries are claimed ahead only if expected to start within this many seconds
     #: (from the rate at which the worker starts tasks).
     claim_ahead_window: float = 1.0
+    #: Not a setting: the broker this app publishes to, its URL without the password
+    #: (from ``broker_url``; ``None``: not known). Every row and worker row records it,
+    #: and a reaper publishes only the rows of its own broker, so apps on different
+    #: brokers can share one store and table prefix (see :func:`broker_origin`).
+    origin: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", resolve_database_url(self.database_url))
-        positive = {
-            "lease_ttl": self.ttl,
-            "lease_heartbeat_interval": self.heartbeat_interval,
-            "lease_reaper_interval": self.reaper_interval,
-            "lease_republish_after": self.republish_after,
-            "lease_publish_grace": self.publish_grace,
-            "lease_sqlite_busy_timeout": self.sqlite_busy_timeout,
-            "lease_db_timeout": self.db_timeout,
-            "lease_db_connect_timeout": self.db_connect_timeout,
-            "lease_db_startup_timeout": self.db_startup_timeout,
-        }
-        for key, value in positive.items():
-            if not value > 0:
-                raise ConfigurationError(
-                    f"{key} must be a positive number of seconds, got {value!r}"
-                )
+        for key, seconds, zero, maximum in (
+            ("lease_ttl", self.ttl, False, MAX_SECONDS),
+            ("lease_heartbeat_interval", self.heartbeat_interval, False, MAX_SECONDS),
+            ("lease_reaper_interval", self.reaper_interval, False, MAX_SECONDS),
+            ("lease_republish_after", self.republish_after, False, MAX_SECONDS),
+            ("lease_publish_grace", self.publish_grace, False, MAX_SECONDS),
+            ("lease_sqlite_busy_timeout", self.sqlite_busy_timeout, False, MAX_DB_WAIT),
+            ("lease_db_timeout", self.db_timeout, False, MAX_DB_WAIT),
+            ("lease_db_connect_timeout", self.db_connect_timeout, False, MAX_DB_WAIT),
+            ("lease_db_startup_timeout", self.db_startup_timeout, False, MAX_SECONDS),
+            ("lease_totals_settle", self.totals_settle, True, MAX_SECONDS),
+            ("lease_outcome_flush_interval", self.outcome_flush_interval, True, MAX_SECONDS),
+            ("lease_claim_interval", self.claim_interval, True, MAX_SECONDS),
+            ("lease_claim_ahead_window", self.claim_ahead_window, True, MAX_SECONDS),
+            ("lease_max_age", self.max_age, False, MAX_SECONDS),
+            ("lease_max_runtime", self.max_runtime, False, MAX_SECONDS),
+            ("lease_retention", self.retention, False, MAX_SECONDS),
+        ):
+            if seconds is not None:
+                check_seconds(key, seconds, zero=zero, maximum=maximum)
         if self.heartbeat_interval >= self.ttl:
             raise ConfigurationError(
                 f"lease_heartbeat_interval ({self.heartbeat_interval}) must be shorter than "
@@ -230,33 +275,8 @@ class LeaseConfig:
             raise ConfigurationError(
                 f"lease_metrics_tail_rows must be at least 0, got {self.metrics_tail_rows!r}"
             )
-        if not self.totals_settle >= 0:
-            raise ConfigurationError(
-                "lease_totals_settle must be zero or a positive number of seconds, "
-                f"got {self.totals_settle!r}"
-            )
-        if not self.outcome_flush_interval >= 0:
-            raise ConfigurationError(
-                "lease_outcome_flush_interval must be zero or a positive number of seconds, "
-                f"got {self.outcome_flush_interval!r}"
-            )
-        for key, seconds in {
-            "lease_claim_interval": self.claim_interval,
-            "lease_claim_ahead_window": self.claim_ahead_window,
-        }.items():
-            if not seconds >= 0:
-                raise ConfigurationError(
-                    f"{key} must be zero or a positive number of seconds, got {seconds!r}"
-                )
         if self.max_recoveries < 0 or self.db_retries < 0:
             raise ConfigurationError("lease_max_recoveries and lease_db_retries must be >= 0")
-        for key, ovalue in {
-            "lease_max_age": self.max_age,
-            "lease_max_runtime": self.max_runtime,
-            "lease_retention": self.retention,
-        }.items():
-            if ovalue is not None and not ovalue > 0:
-                raise ConfigurationError(f"{key} must be positive or None, got {ovalue!r}")
         if self.schema is not None and self.database_url.startswith("sqlite"):
             raise ConfigurationError(
                 "lease_schema is for PostgreSQL only; on SQLite use lease_table_prefix"
@@ -334,7 +354,7 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
         raise ConfigurationError(f"{key} must be a number, got {value!r}")
     try:
         return kind(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigurationError(f"{key} must be {kind.__name__}, got {value!r}") from exc
 
 
@@ -344,6 +364,21 @@ def _is_set(conf: Any, key: str) -> bool:
         return key in conf
     except TypeError:
         return False
+
+
+def broker_origin(broker_url: Any) -> str | None:
+    """What a row records of the broker its app publishes to: the broker URL without its
+    password (``redis://:**@host:6379/0``), at most 255 characters (longer: a digest)."""
+    if not broker_url or not isinstance(broker_url, str):
+        return None
+    from kombu.utils.url import maybe_sanitize_url
+
+    origin = str(maybe_sanitize_url(broker_url))
+    if len(origin) > 255:
+        import hashlib
+
+        origin = origin[:200] + "#" + hashlib.sha256(origin.encode()).hexdigest()[:32]
+    return origin
 
 
 def from_mapping(conf: Any) -> LeaseConfig:
@@ -365,4 +400,6 @@ def from_mapping(conf: Any) -> LeaseConfig:
         values[field] = _coerce(key, raw, kind)
     if "database_url" not in values and os.environ.get("CELERY_LEASE_DATABASE_URL"):
         values["database_url"] = os.environ["CELERY_LEASE_DATABASE_URL"]
+    with contextlib.suppress(KeyError, AttributeError):
+        values["origin"] = broker_origin(conf.get("broker_url"))
     return LeaseConfig(**values)

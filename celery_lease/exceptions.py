@@ -114,17 +114,31 @@ class SubmissionOutcomeUnknown(StoreUnavailable):
         super().__init__(message)
 
 
+class StoreDataError(StoreError, ValueError):
+    """The database refused a value the call gave it (too long, out of range, against a
+    constraint): the request is wrong, not the database; retrying does not help."""
+
+
 class SchemaOutOfDate(StoreError):
-    """The lease tables are missing or older than this version of celery-lease."""
+    """The lease tables are missing, older than this version of celery-lease, or newer
+    (this code is older than the store: upgrade celery-lease to ``expected`` or later)."""
 
     def __init__(self, current: int | None, expected: int, url: str) -> None:
         self.current = current
         self.expected = expected
-        found = "no lease tables" if current is None else f"schema version {current}"
-        super().__init__(
-            f"{url} has {found}, celery-lease needs version {expected}: "
-            "run `celery -A proj lease migrate` (or set lease_auto_migrate = True)"
-        )
+        if current is not None and current > expected:
+            message = (
+                f"{url} has schema version {current}, newer than this celery-lease knows "
+                f"(version {expected}): the code is older than the store; install the "
+                f"celery-lease release that migrated it (schema version {current})"
+            )
+        else:
+            found = "no lease tables" if current is None else f"schema version {current}"
+            message = (
+                f"{url} has {found}, celery-lease needs version {expected}: "
+                "run `celery -A proj lease migrate` (or set lease_auto_migrate = True)"
+            )
+        super().__init__(message)
 
 
 class LeaseError(CeleryLeaseError):

@@ -74,7 +74,13 @@ class PauseCache:
 
 class QueueWatcher:
     """In a worker's main process: follow the paused queues among those the worker
-    consumes, cancelling and adding back its consumers (a thread of its own)."""
+    consumes, cancelling and adding back its consumers (a thread of its own).
+
+    It also stops every consumer while the worker is self-fenced (its heartbeat not
+    renewed for a TTL) and adds them back once the heartbeat is restored: a fenced
+    worker would only take deliveries to drop them, each drop putting the row's next
+    publication further out, while healthy workers could run them.
+    """
 
     def __init__(
         self,
@@ -89,6 +95,9 @@ class QueueWatcher:
         self._cancel: Callable[[str], None] | None = None
         self._add: Callable[[str], None] | None = None
         self.paused: set[str] = set()
+        #: Whether every consumer is stopped because the worker is self-fenced.
+        self.fenced = False
+        self._is_fenced: Callable[[], bool] = lambda: False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="celery-lease-pauses", daemon=True)
 
@@ -97,20 +106,49 @@ class QueueWatcher:
         return {p.target for p in self.store.pauses() if p.kind == "queue"} & self.queues
 
     def apply(self, paused: set[str]) -> None:
-        """Cancel consumers of newly paused queues, add back resumed ones."""
+        """Cancel consumers of newly paused queues, add back resumed ones (while fenced
+        only the record changes: no queue is consumed then)."""
         assert self._cancel is not None and self._add is not None, "start() first"
         for queue in sorted(paused - self.paused):
             logger.warning("celery-lease: queue %s is paused: no longer consumed", queue)
-            self._cancel(queue)
+            if not self.fenced:
+                self._cancel(queue)
         for queue in sorted(self.paused - paused):
             logger.warning("celery-lease: queue %s was resumed: consumed again", queue)
-            self._add(queue)
+            if not self.fenced:
+                self._add(queue)
         self.paused = set(paused)
 
-    def start(self, cancel: Callable[[str], None], add: Callable[[str], None]) -> None:
+    def fence(self, fenced: bool) -> None:
+        """Stop every consumer of a queue not paused when the worker self-fences; add
+        them back when its heartbeat is restored."""
+        assert self._cancel is not None and self._add is not None, "start() first"
+        if fenced == self.fenced:
+            return
+        self.fenced = fenced
+        if fenced:
+            logger.error(
+                "celery-lease: worker self-fenced: no queue consumed until its heartbeat "
+                "is restored"
+            )
+        else:
+            logger.warning("celery-lease: heartbeat restored: queues consumed again")
+        for queue in sorted(self.queues - self.paused):
+            (self._cancel if fenced else self._add)(queue)
+
+    def start(
+        self,
+        cancel: Callable[[str], None],
+        add: Callable[[str], None],
+        *,
+        fenced: Callable[[], bool] | None = None,
+    ) -> None:
         """Follow the pauses, cancelling (``cancel(queue)``) and adding back
-        (``add(queue)``) this worker's consumers of the queues concerned."""
+        (``add(queue)``) this worker's consumers of the queues concerned; with
+        ``fenced`` (the worker's fence flag), all of them while it is raised."""
         self._cancel, self._add = cancel, add
+        if fenced is not None:
+            self._is_fenced = fenced
         self._thread.start()
 
     def stop(self) -> None:
@@ -119,6 +157,8 @@ class QueueWatcher:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
+                # the fence first: a fenced worker's database is often unreachable
+                self.fence(self._is_fenced())
                 self.apply(self.paused_now())
             except StoreError as error:
                 logger.info("celery-lease: pauses not read (%s): queues left as they are", error)

@@ -18,6 +18,7 @@ from . import _follow_ups, _publisher
 from ._broker import backlog_guard
 from ._crashpoints import crash_point
 from ._runtime import runtime
+from .config import MAX_SECONDS
 from .states import State
 from .store import REPUBLISHED, Expiry, Publishable, Store
 
@@ -47,6 +48,9 @@ class ReapReport:
     held: int = 0
     #: Audit rows folded into the transition totals (not an action: not in ``total``).
     folded: int = 0
+    #: RUNNING rows whose stored ``lease_ttl`` or ``max_runtime`` is out of range (an
+    #: older version wrote it unchecked): swept with the value clamped, and reported.
+    out_of_range: int = 0
 
     def add_expiries(self, expiries: Sequence[Expiry]) -> None:
         self.expired += len(expiries)
@@ -84,6 +88,7 @@ class Reaper:
         report = ReapReport()
         self._broker_down = False
         batch = self.store.config.reaper_batch_size
+        self.report_out_of_range(report)
         for _ in range(MAX_BATCHES):
             expiries = self.store.expire(
                 actor=self.actor, reason="lease expired: owner's heartbeat older than the TTL"
@@ -121,10 +126,29 @@ class Reaper:
             logger.info("reaper %s: %s", self.actor, report.as_dict())
         return report
 
+    def report_out_of_range(self, report: ReapReport) -> None:
+        """Count (and log) the RUNNING rows whose stored durations are out of range: the
+        sweeps go on for every other row, and treat these with the value clamped."""
+        bad = self.store.out_of_range(limit=MAX_BATCHES * 10)
+        report.out_of_range = len(bad)
+        if bad:
+            logger.warning(
+                "reaper %s: %d RUNNING row(s) with lease_ttl or max_runtime out of range "
+                "(written unchecked by an older version?), swept as if %g s: %s",
+                self.actor,
+                len(bad),
+                MAX_SECONDS,
+                ", ".join(bad[:10]),
+            )
+
     def purge_expired(self, report: ReapReport | None = None) -> int:
         """Retention: delete finished rows older than ``lease_retention``, in batches."""
         report = report if report is not None else ReapReport()
         cfg = self.store.config
+        # tombstones of purged rows (retention or ``lease purge``) past their keep_until
+        for _ in range(MAX_BATCHES):
+            if self.store.purge_tombstones() < cfg.retention_batch_size:
+                break
         if cfg.retention is None:
             return 0
         for _ in range(MAX_BATCHES):

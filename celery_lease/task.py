@@ -18,7 +18,7 @@ from ._crashpoints import crash_point
 from ._execution import Execution
 from ._runtime import install, runtime
 from ._submission import Submitted
-from .config import LeaseConfig
+from .config import LeaseConfig, check_seconds
 from .exceptions import ConfigurationError
 from .states import State
 from .store import LeaseOptions
@@ -100,18 +100,30 @@ class LeasedTask(Task[Any, Any]):
         return options
 
     def _check_lease_options(self, config: LeaseConfig) -> LeaseOptions:
-        ttl = float(self.lease_ttl) if self.lease_ttl is not None else config.ttl
-        max_runtime = self.max_runtime if self.max_runtime is not None else config.max_runtime
-        recoveries = (
-            int(self.max_recoveries) if self.max_recoveries is not None else config.max_recoveries
+        ttl = (
+            check_seconds(f"task {self.name}: lease_ttl", self.lease_ttl)
+            if self.lease_ttl is not None
+            else config.ttl
         )
+        max_runtime = (
+            check_seconds(f"task {self.name}: max_runtime", self.max_runtime)
+            if self.max_runtime is not None
+            else config.max_runtime
+        )
+        recoveries = config.max_recoveries
+        if self.max_recoveries is not None:
+            try:
+                recoveries = int(self.max_recoveries)
+            except (TypeError, ValueError, OverflowError):
+                raise ConfigurationError(
+                    f"task {self.name}: max_recoveries must be a whole number, "
+                    f"got {self.max_recoveries!r}"
+                ) from None
         if not ttl > config.heartbeat_interval:
             raise ConfigurationError(
                 f"task {self.name}: lease_ttl ({ttl}) must be longer than "
                 f"lease_heartbeat_interval ({config.heartbeat_interval})"
             )
-        if max_runtime is not None and not float(max_runtime) > 0:
-            raise ConfigurationError(f"task {self.name}: max_runtime must be positive")
         if self.on_timeout not in _ON_TIMEOUT:
             raise ConfigurationError(
                 f"task {self.name}: on_timeout must be one of {_ON_TIMEOUT}, "
@@ -126,7 +138,7 @@ class LeasedTask(Task[Any, Any]):
             raise ConfigurationError(f"task {self.name}: max_recoveries must be >= 0")
         return LeaseOptions(
             lease_ttl=ttl,
-            max_runtime=float(max_runtime) if max_runtime is not None else None,
+            max_runtime=max_runtime,
             max_retries=self.max_retries,
             on_timeout=self.on_timeout,
             on_exhausted=self.on_exhausted,

@@ -240,7 +240,7 @@ class WorkerService:
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + cfg.reaper_interval
                     if cfg.embedded_reaper and self.store.try_lock(
-                        "reaper", self.incarnation.id, lock_ttl
+                        self.store.reaper_lock(), self.incarnation.id, lock_ttl
                     ):
                         self.reaper.sweep()
             except StoreError as error:
@@ -278,7 +278,7 @@ class WorkerService:
                 limit=10_000,
             )
             self.reaper.publish_due()
-            self.store.release_lock("reaper", inc.id)
+            self.store.release_lock(self.store.reaper_lock(), inc.id)
             if leftover:
                 logger.warning(
                     "worker %s: %d leases expired at shutdown", inc.nodename, len(leftover)
@@ -376,7 +376,7 @@ class LeaseStep(bootsteps.StartStopStep):
         self.service.start()
         inc = self.service.incarnation
         self.service.claimer = _claimer.start_for(worker, self.service.rt, inc)
-        self.watcher.start(*consumer_controls(worker))
+        self.watcher.start(*consumer_controls(worker), fenced=lambda: inc.flags.fenced)
 
     def stop(self, worker: Any) -> None:
         self.watcher.stop()

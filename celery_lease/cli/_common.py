@@ -12,7 +12,13 @@ from typing import Any, TypeVar, cast
 
 import click
 
-from ..exceptions import CeleryLeaseError, ConfigurationError, StoreError, TaskNotFound
+from ..exceptions import (
+    CeleryLeaseError,
+    ConfigurationError,
+    StoreDataError,
+    StoreError,
+    TaskNotFound,
+)
 from ._render import color_of
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -107,6 +113,8 @@ def exit_code(error: BaseException) -> int:
     """The exit code for an error the user can act on (see the module docstring)."""
     if isinstance(error, TaskNotFound):
         return EXIT_NOT_FOUND
+    if isinstance(error, StoreDataError):  # the command's input, not an outage
+        return EXIT_USAGE
     if isinstance(error, StoreError):
         return EXIT_STORE
     if isinstance(error, (ConfigurationError, ValueError)):

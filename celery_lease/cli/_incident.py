@@ -145,8 +145,17 @@ def with_filters(action: str) -> Callable[[F], F]:
                 raise click.UsageError("give task ids or filters, not both")
             if not kwargs.get("reason"):
                 raise click.UsageError("--reason is required with filters")
+            if kwargs.get("terminate"):
+                raise click.UsageError(
+                    "--terminate goes with task ids only: list the RUNNING tasks with "
+                    "`lease list --state RUNNING` and give the ids of those to kill"
+                )
             ctx = click.get_current_context()
-            return _bulk(ctx, action, given, kwargs, dry_run=dry_run, batch=batch, limit=limit)
+            # the errors of a bulk action are reported as those of one (exit 2 for a
+            # --state that is no state, 3 for a store that does not answer)
+            return _cli.handle_errors(_bulk)(
+                ctx, action, given, kwargs, dry_run=dry_run, batch=batch, limit=limit
+            )
 
         options = [
             click.option("--state", "-s", "state", help="Only tasks in this state."),

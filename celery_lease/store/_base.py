@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import threading
@@ -87,6 +88,15 @@ def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+def reaper_lock_name(origin: str | None) -> str:
+    """The embedded reaper's lock for the apps of one broker (``origin``): one per broker,
+    so that each app's reaper sweeps, and publishes its own rows, whoever holds the
+    others' lock."""
+    if origin is None:
+        return "reaper"
+    return "reaper:" + hashlib.sha256(origin.encode()).hexdigest()[:24]
+
+
 class StoreBase:
     """Connection handling shared by the domain operations (thread-safe; fork-safe)."""
 
@@ -94,7 +104,7 @@ class StoreBase:
         self.config = config
         self.engine = _engine.create(config)
         self.url = safe_url(self.engine.url)
-        self.t: Tables = build(config.table_prefix, config.schema)
+        self.t: Tables = build(config.table_prefix, config.schema, config.origin)
         self.dialect = self.engine.dialect.name
         self.is_pg = self.dialect == "postgresql"
         #: Keeps fork() out of SQLite transactions (see _engine.fork_guard).
@@ -493,6 +503,19 @@ class StoreBase:
             w.c.stopped_at.is_not(None),
             after(w.c.heartbeat_at, t.c.lease_ttl) < db_now(),
         )
+
+    def _publishes(self) -> ColumnElement[bool]:
+        """A row this store's app may publish: one of its own broker, or one that records
+        none (written before rows recorded it, or by an app whose broker is unknown).
+        Another app's row goes to that app's broker, by that app's reaper."""
+        t, origin = self.t.tasks, self.config.origin
+        if origin is None:
+            return t.c.origin.is_(None)
+        return or_(t.c.origin.is_(None), t.c.origin == origin)
+
+    def reaper_lock(self) -> str:
+        """The name of the embedded reaper's lock (see :func:`reaper_lock_name`)."""
+        return reaper_lock_name(self.config.origin)
 
     def _never_published(self, slack: float = 0.0) -> ColumnElement[bool]:
         """A PENDING row never marked published within ``lease_publish_grace`` (plus

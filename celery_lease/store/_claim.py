@@ -18,15 +18,16 @@ from sqlalchemy import (
 )
 
 from ..states import State
-from ._base import StoreBase, TransitionEvent
+from ._base import TransitionEvent
 from ._sql import db_now
+from ._tombstones import TombstonesMixin
 from ._types import Claim, Lease, NewTask, Refusal
 
 #: Note for rows whose arguments could not be stored: they cannot be re-published.
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
-class ClaimMixin(StoreBase):
+class ClaimMixin(TombstonesMixin):
     def claim(
         self,
         task_id: str,
@@ -98,6 +99,13 @@ class ClaimMixin(StoreBase):
                     # at its ETA, to the millisecond): claim it now
                     rows = move(conn)
                 elif row is None and adopt is not None:
+                    if self._is_purged(conn, task_id):
+                        return Refusal(
+                            task_id,
+                            None,
+                            "its row was purged after the task ended: a late message is "
+                            "not adopted",
+                        )
                     self._adopt(conn, adopt() if callable(adopt) else adopt)
                     adopted = True
                     rows = move(conn)  # an adopted row has no ETA: due at once

@@ -18,7 +18,13 @@ from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.engine import URL, make_url
 
 from ..config import LeaseConfig
-from ..exceptions import ConfigurationError, MissingDependencyError, StoreError, StoreUnavailable
+from ..exceptions import (
+    ConfigurationError,
+    MissingDependencyError,
+    StoreDataError,
+    StoreError,
+    StoreUnavailable,
+)
 from ._deadline import WATCHDOG
 from ._redact import redact, safe_url
 
@@ -299,6 +305,9 @@ def wrap(error: exc.SQLAlchemyError, url: str, *, timeout: float | None = None) 
         return StoreUnavailable(f"lease store {url} unavailable: {first}")
     if isinstance(error, exc.TimeoutError):  # no free connection in the pool in time
         return StoreUnavailable(f"lease store {url} unavailable: {first}")
+    if isinstance(error, (exc.DataError, exc.IntegrityError)):
+        # the value was wrong (too long, out of range, a constraint), not the database
+        return StoreDataError(f"lease store {url} refused a value: {first}")
     return StoreError(f"lease store {url}: {first}")
 
 

@@ -4,10 +4,13 @@ transaction."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy import Connection, and_, false, or_, select, tuple_
+from sqlalchemy import Connection, and_, false, not_, or_, select, tuple_
+from sqlalchemy.sql.expression import ColumnElement
 
 from .. import policy
+from ..config import MAX_SECONDS
 from ..states import STEP_STARTED, State
 from ._base import StoreBase
 from ._sql import after, db_now, seconds_between
@@ -180,3 +183,25 @@ class ExpiryMixin(StoreBase):
             return [task_id for task_id, _, _ in moves if task_id in moved]
 
         return self._tx(op)
+
+    def out_of_range(self, *, limit: int = 10) -> list[str]:
+        """RUNNING rows whose stored ``lease_ttl`` or ``max_runtime`` is outside the range
+        a setting or option may take (not finite, not positive, over ``MAX_SECONDS``):
+        written by an older version or by hand. The sweeps clamp such a value (see
+        :class:`~._sql.after`), so the row stops no sweep; the reaper reports it."""
+        t = self.t.tasks
+
+        def bad(column: Any) -> ColumnElement[bool]:
+            # NaN: PostgreSQL orders it above every number, so it fails the upper bound
+            return not_(and_(column > 0, column <= MAX_SECONDS))
+
+        q = (
+            select(t.c.id)
+            .where(
+                t.c.state == State.RUNNING.value,
+                or_(bad(t.c.lease_ttl), and_(t.c.max_runtime.is_not(None), bad(t.c.max_runtime))),
+            )
+            .order_by(t.c.id)
+            .limit(limit)
+        )
+        return [str(i) for i in self._read(lambda conn: conn.execute(q).scalars().all())]

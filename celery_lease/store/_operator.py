@@ -12,10 +12,11 @@ from ..exceptions import TaskNotFound
 from ..states import STEP_DONE, Actor, State
 from ._reads import ReadsMixin
 from ._sql import db_now
+from ._tombstones import TombstonesMixin
 from ._totals import TotalsMixin
 
 
-class OperatorMixin(ReadsMixin, TotalsMixin):
+class OperatorMixin(ReadsMixin, TombstonesMixin, TotalsMixin):
     # -- operator transitions ---------------------------------------------------------
 
     def _lock_state(self, conn: Connection, task_id: str) -> State:
@@ -155,6 +156,8 @@ class OperatorMixin(ReadsMixin, TotalsMixin):
                 q = q.with_for_update(skip_locked=True)
             ids = [r.id for r in conn.execute(q).all()]
             if ids:
+                # a late message of a purged row must not be adopted as a new task
+                conn.execute(self._tombstones(t.c.id.in_(ids)))
                 conn.execute(delete(s).where(s.c.task_id.in_(ids)))
                 self._delete_audit(conn, tr.c.task_id.in_(ids))  # counted, then deleted
                 conn.execute(delete(t).where(t.c.id.in_(ids)))

@@ -258,6 +258,8 @@ class ProducerMixin(TotalsMixin):
             created_at=db_now(),
             updated_at=db_now(),
             reason="submitted",
+            # explicit: a column default is not applied inside a CTE (PostgreSQL's path)
+            origin=literal(self.config.origin, String),
             eta=(
                 after(db_now(), bindparam("b_countdown", type_=Float))
                 if countdown

@@ -33,6 +33,7 @@ class PublishingMixin(PausesMixin):
             t.c.retries,
             seconds_between(t.c.eta, db_now()).label("countdown"),
             t.c.message,
+            t.c.origin,
         )
 
     @staticmethod
@@ -50,6 +51,7 @@ class PublishingMixin(PausesMixin):
                     int(r.retries),
                     countdown,
                     r.message,
+                    r.origin,
                 )
             )
         return out
@@ -63,6 +65,7 @@ class PublishingMixin(PausesMixin):
             q = (
                 select(t.c.id)
                 .where(t.c.state == State.RETRY_WAIT.value, t.c.next_retry_at <= db_now())
+                .where(self._publishes())  # another broker's row: its own app publishes it
                 .order_by(t.c.next_retry_at)
                 .limit(batch)
             )
@@ -104,6 +107,7 @@ class PublishingMixin(PausesMixin):
                 select(t.c.id)
                 .where(t.c.state == State.PENDING.value, or_(never, lost))
                 .where(self.paused_names_clause())  # held until the pause ends
+                .where(self._publishes())  # another broker's row: its own app publishes it
                 .limit(batch)
             )
             if self.is_pg:

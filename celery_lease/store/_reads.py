@@ -19,6 +19,7 @@ from sqlalchemy import (
     Row,
     Select,
     and_,
+    exists,
     func,
     literal,
     literal_column,
@@ -343,6 +344,20 @@ class ReadsMixin(StoreBase):
             t.c.follow_ups_at.is_not(None),
             after(t.c.follow_ups_at, self.config.publish_grace + grace) < now,
         )
+        # a row to publish whose broker no live worker uses: no reaper will publish it
+        # (each publishes only its own broker's rows)
+        publisher = w.alias("publisher")
+        no_publisher = and_(
+            t.c.state.in_([State.PENDING.value, State.RETRY_WAIT.value]),
+            t.c.origin.is_not(None),
+            ~exists(
+                select(publisher.c.id).where(
+                    publisher.c.origin == t.c.origin,
+                    publisher.c.stopped_at.is_(None),
+                    after(publisher.c.heartbeat_at, self.config.ttl + grace) >= now,
+                )
+            ),
+        )
         task_q = (
             select(
                 t.c.id,
@@ -351,6 +366,8 @@ class ReadsMixin(StoreBase):
                 t.c.token,
                 t.c.owner,
                 t.c.reason,
+                t.c.lease_ttl,
+                t.c.max_runtime,
                 w.c.nodename,
                 dead_owner.label("dead_owner"),
                 unpublished.label("unpublished"),
@@ -358,6 +375,8 @@ class ReadsMixin(StoreBase):
                 retry_overdue.label("retry_overdue"),
                 stuck_timeout.label("stuck_timeout"),
                 follow_ups_overdue.label("follow_ups_overdue"),
+                no_publisher.label("no_publisher"),
+                t.c.origin,
             )
             .select_from(t.outerjoin(w, w.c.id == t.c.owner))
             .where(t.c.id.in_(ids))

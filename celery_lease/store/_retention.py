@@ -21,6 +21,7 @@ from sqlalchemy import Connection, Float, String, bindparam, delete, func, selec
 from sqlalchemy.dialects import postgresql
 
 from ._sql import after, db_now
+from ._tombstones import TombstonesMixin
 from ._totals import TotalsMixin
 from .schema import FINISHED_SQL
 
@@ -31,7 +32,7 @@ REPUBLISHED = "republished"
 COUNTERS = (PURGED, DUPLICATES_DROPPED, REPUBLISHED)
 
 
-class RetentionMixin(TotalsMixin):
+class RetentionMixin(TombstonesMixin, TotalsMixin):
     # -- counters ---------------------------------------------------------------------
 
     def _bump_statement(self) -> Any:
@@ -91,6 +92,7 @@ class RetentionMixin(TotalsMixin):
         t, s, tr, c = self.t.tasks, self.t.steps, self.t.transitions, self.t.counters
         victims = self._victims().cte("victims")
         chosen = select(victims.c.id)
+        tombs = self._tombstones(t.c.id.in_(chosen)).cte("tombs")
         gone_steps = delete(s).where(s.c.task_id.in_(chosen)).cte("gone_steps")
         gone_audit, counted_audit = self._audit_delete_ctes(tr.c.task_id.in_(chosen))
         gone = delete(t).where(t.c.id.in_(chosen)).returning(t.c.id).cte("gone")
@@ -104,7 +106,7 @@ class RetentionMixin(TotalsMixin):
             set_={"value": c.c.value + bump.excluded.value, "updated_at": db_now()},
         )
         return select(counted.label("purged")).add_cte(
-            gone_steps, gone_audit, *counted_audit, gone, bump.cte("bumped")
+            tombs, gone_steps, gone_audit, *counted_audit, gone, bump.cte("bumped")
         )
 
     def purge_expired(self, older_than: float, *, limit: int | None = None) -> int:
@@ -127,6 +129,7 @@ class RetentionMixin(TotalsMixin):
         def op(conn: Connection, _: bool) -> int:
             ids = [r.id for r in conn.execute(self._victims(), params)]
             if ids:
+                conn.execute(self._tombstones(t.c.id.in_(ids)))
                 conn.execute(delete(s).where(s.c.task_id.in_(ids)))
                 self._delete_audit(conn, tr.c.task_id.in_(ids))
                 conn.execute(delete(t).where(t.c.id.in_(ids)))

@@ -18,6 +18,8 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import ColumnElement, FunctionElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from ..config import MAX_SECONDS
+
 
 class DbTime(TypeDecorator[datetime]):
     """A point in time: ``timestamptz`` on PostgreSQL, epoch seconds (REAL) on SQLite."""
@@ -91,9 +93,14 @@ def _after_default(element: after, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(after, "postgresql")
 def _after_pg(element: after, compiler: SQLCompiler, **kw: Any) -> str:
     ts, seconds = list(element.clauses)
+    # clamped to the longest duration a setting or option may take: a row written
+    # unchecked (an older version, a hand edit) with 1e300, Infinity or NaN seconds
+    # would otherwise fail the whole statement ("interval out of range") and stop the
+    # sweep for every row (PostgreSQL orders NaN above every number: it clamps high)
     return (
-        f"({compiler.process(ts, **kw)} + "
-        f"CAST({compiler.process(seconds, **kw)} AS DOUBLE PRECISION) * INTERVAL '1 second')"
+        f"({compiler.process(ts, **kw)} + GREATEST(LEAST("
+        f"CAST({compiler.process(seconds, **kw)} AS DOUBLE PRECISION), {MAX_SECONDS!r}), "
+        f"{-MAX_SECONDS!r}) * INTERVAL '1 second')"
     )
 
 

@@ -204,7 +204,7 @@ class SubmitManyMixin(ProducerMixin):
             .table_valued(*(column(c, kind) for c, kind in _FIELDS))
             .render_derived(name="v", with_types=True)
         )
-        names = [*_SUBMIT, "state", "created_at", "updated_at", "reason", "eta"]
+        names = [*_SUBMIT, "state", "created_at", "updated_at", "reason", "eta", "origin"]
         rows = select(
             *(v.c[c] for c in _SUBMIT),
             literal(State.PENDING.value, String),
@@ -212,6 +212,7 @@ class SubmitManyMixin(ProducerMixin):
             db_now(),
             literal("submitted", Text),
             case((v.c.countdown.is_not(None), after(db_now(), v.c.countdown)), else_=v.c.eta),
+            literal(self.config.origin, String),
         ).order_by(v.c.n)  # the first of two rows with one id or dedup key wins
         inserted = (
             postgresql.insert(t)

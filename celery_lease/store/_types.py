@@ -124,6 +124,8 @@ class Publishable:
     countdown: float | None
     #: The stored message (``None``: a row written before messages were stored).
     message: str | None = None
+    #: The broker of the row's app (``None``: not recorded): only that app publishes it.
+    origin: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from sqlalchemy import Connection, insert, inspect, select
 from sqlalchemy.schema import CreateSchema
 
+from ..exceptions import SchemaOutOfDate
+from ._redact import redact
 from ._sql import db_now
 from .schema import SCHEMA_VERSION, Tables
 
@@ -99,6 +101,21 @@ def _follow_ups(conn: Connection, tables: Tables) -> None:
             index.create(conn, checkfirst=True)
 
 
+def _purged(conn: Connection, tables: Tables) -> None:
+    tables.purged.create(conn, checkfirst=True)
+
+
+def _origin(conn: Connection, tables: Tables) -> None:
+    # the baseline creates today's tables, which already have the columns
+    preparer = conn.dialect.identifier_preparer
+    for table in (tables.tasks, tables.workers):
+        have = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+        if "origin" not in have:
+            conn.exec_driver_sql(
+                f"ALTER TABLE {preparer.format_table(table)} ADD COLUMN origin VARCHAR(255)"
+            )
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -115,9 +132,15 @@ MIGRATIONS: tuple[Migration, ...] = (
         "tasks.follow_ups_at: follow-ups recorded with a success and not yet published",
         _follow_ups,
     ),
+    Migration(7, "tombstones of purged task ids: a late message is not adopted", _purged),
+    Migration(8, "tasks.origin, workers.origin: the broker of the row's app", _origin),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"
+
+
+def _url(conn: Connection) -> str:
+    return redact(conn.engine.url.render_as_string(hide_password=True))
 
 
 def current_version(conn: Connection, tables: Tables) -> int | None:
@@ -141,6 +164,9 @@ def migrate(conn: Connection, tables: Tables) -> tuple[int | None, int]:
             conn.execute(CreateSchema(schema, if_not_exists=True))
     tables.version.create(conn, checkfirst=True)
     before = current_version(conn, tables)
+    if before is not None and before > SCHEMA_VERSION:
+        # a newer release migrated this store: this code cannot read it, nor undo that
+        raise SchemaOutOfDate(before, SCHEMA_VERSION, _url(conn))
     for step in MIGRATIONS:
         if before is not None and step.version <= before:
             continue

@@ -26,7 +26,7 @@ from sqlalchemy import (
 from ._sql import DbTime
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 8
 
 #: The states retention deletes, written out as SQL so that a query naming them in the
 #: same words can use the partial index on ``finished_at`` whatever plan it gets.
@@ -51,10 +51,13 @@ class Tables:
     pause_log: Table
     transition_totals: Table
     transition_watermark: Table
+    purged: Table
 
 
-def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
-    """Define the tables with ``prefix`` in ``schema`` (``None``: default schema)."""
+def build(prefix: str = "lease_", schema: str | None = None, origin: str | None = None) -> Tables:
+    """Define the tables with ``prefix`` in ``schema`` (``None``: default schema);
+    ``origin`` (the app's broker, see :func:`celery_lease.config.broker_origin`) is what
+    every task and worker row this store inserts records."""
     md = MetaData(schema=schema)
     running = text("state = 'RUNNING'")
     tasks = Table(
@@ -103,6 +106,9 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         # recorded with its outcome and are not yet published: since when (or since a
         # reaper last took them). NULL: none, or all published
         Column("follow_ups_at", DbTime()),
+        # the broker the row's app publishes to (URL without password): a reaper only
+        # publishes its own broker's rows (apps on other brokers may share the store)
+        Column("origin", String(255), default=origin),
         Index(f"{prefix}tasks_dedup_key", "dedup_key", unique=True),
         Index(f"{prefix}tasks_state_created", "state", "created_at"),
         Index(f"{prefix}tasks_name_state", "name", "state"),
@@ -189,6 +195,7 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("heartbeat_at", DbTime(), nullable=False),
         Column("stopped_at", DbTime()),
         Column("stop_reason", Text),
+        Column("origin", String(255), default=origin),
         Index(f"{prefix}workers_nodename", "nodename"),
     )
     locks = Table(
@@ -261,6 +268,17 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         Column("upto", BigInteger().with_variant(Integer, "sqlite"), nullable=False),
         Column("folded_at", DbTime()),
     )
+    # tombstones of purged rows: a message that arrives after its row was deleted (a
+    # cancelled task's queued countdown, a redelivery) must not be adopted as a new
+    # task; each is kept until no message of it is expected any more, then deleted
+    purged = Table(
+        f"{prefix}purged",
+        md,
+        Column("id", _ID, primary_key=True),
+        Column("purged_at", DbTime(), nullable=False),
+        Column("keep_until", DbTime(), nullable=False),
+        Index(f"{prefix}purged_keep_until", "keep_until"),
+    )
     return Tables(
         md,
         tasks,
@@ -274,4 +292,5 @@ def build(prefix: str = "lease_", schema: str | None = None) -> Tables:
         pause_log,
         transition_totals,
         transition_watermark,
+        purged,
     )

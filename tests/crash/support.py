@@ -240,6 +240,14 @@ class LeasedProject:
             proc.wait_ready(timeout=60, store=self.store)
         return proc
 
+    @property
+    def reaper_lock(self) -> str:
+        """The name of the lock this project's embedded reapers take (one per broker)."""
+        from celery_lease.config import broker_origin
+        from celery_lease.store._base import reaper_lock_name
+
+        return reaper_lock_name(broker_origin(self.project.broker_url))
+
     def incarnation(self, worker: WorkerProcess) -> str:
         """The id of ``worker``'s live incarnation row (its current start)."""
         for w in self.store.workers():

@@ -24,7 +24,7 @@ from celery_lease import State, StoreUnavailable, SubmissionOutcomeUnknown, reap
 
 from ..helpers import wait_until
 from .faults import TcpProxy, pg_sessions_from, proxy_to_postgres, subprocess_env
-from .support import LeaseEnv, Stopwatch, pg_only, released, report
+from .support import CLEAN_RUN, LeaseEnv, Stopwatch, pg_only, released, report
 
 pytestmark = pg_only()
 
@@ -365,3 +365,37 @@ def test_a_submission_whose_answer_is_lost_runs_once_when_retried_with_its_id(
         p.wait_state(ok, State.SUCCEEDED)
         p.drain()
         assert p.external.count("add") == 3  # ok, the task once, drain
+
+
+def _consumers(broker_url: str, queue: str) -> int:
+    """Consumers RabbitMQ counts on ``queue`` (what the broker itself records)."""
+    from kombu import Connection
+
+    with Connection(broker_url, connect_timeout=5) as conn:
+        channel: Any = conn.channel()
+        return int(channel.queue_declare(queue, passive=True).consumer_count)
+
+
+def test_a_self_fenced_worker_stops_consuming_until_its_heartbeat_is_restored(
+    lease_env: LeaseEnv, amqp_url: str, queue_name: str
+) -> None:
+    # before: it went on taking deliveries and dropping them (each drop putting the
+    # row's next publication further out) while healthy workers idled
+    p = lease_env.project(broker_url=amqp_url, ttl=4.0, heartbeat_interval=0.5)
+    with proxy_to_postgres() as proxy:
+        worker = p.worker(env={DATABASE_URL_ENV: proxy.url(p.store.config.database_url)})
+        wait_until(lambda: _consumers(amqp_url, queue_name) == 1, timeout=30, message="consumer")
+        proxy.blackhole()
+        p.wait_log(worker, r"self-fenced: no queue consumed", timeout=60)
+        wait_until(
+            lambda: _consumers(amqp_url, queue_name) == 0, timeout=30, message="consumer stopped"
+        )
+        task_id = p.submit("t.add", 1, 2)  # the test's own store is not behind the proxy
+        proxy.resume()
+        p.wait_log(worker, r"heartbeat restored: queues consumed again", timeout=60)
+        wait_until(
+            lambda: _consumers(amqp_url, queue_name) == 1, timeout=30, message="consumer back"
+        )
+        p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+        assert p.trail(task_id) == CLEAN_RUN  # never taken and dropped while fenced
+        assert worker.is_alive()

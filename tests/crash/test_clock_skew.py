@@ -49,7 +49,7 @@ def clock_skew_shim(tmp_path_factory: pytest.TempPathFactory) -> str:
 def reaper_holder(p: LeasedProject) -> str | None:
     locks = p.store.t.locks
     with p.store.engine.connect() as conn:
-        return conn.execute(select(locks.c.holder).where(locks.c.name == "reaper")).scalar()
+        return conn.execute(select(locks.c.holder).where(locks.c.name == p.reaper_lock)).scalar()
 
 
 def heartbeat_of(p: LeasedProject, incarnation: str) -> float:

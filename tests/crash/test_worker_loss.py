@@ -185,12 +185,12 @@ def test_reaper_lock_held_by_a_frozen_transaction_does_not_stop_recovery(
     locked in an open transaction made by the store's own engine, as the worker would."""
     p = lease_env.project(broker_url=broker_url)  # lease_ttl 1 s
     locks = p.store.t.locks
-    p.store.try_lock("reaper", "frozen-worker", 0.001)
+    p.store.try_lock(p.reaper_lock, "frozen-worker", 0.001)
     stalled = p.store.engine.connect()
     transaction = stalled.begin()
     try:
         # what try_lock's UPDATE holds until its COMMIT, which a frozen process never sends
-        stalled.execute(select(locks).where(locks.c.name == "reaper").with_for_update())
+        stalled.execute(select(locks).where(locks.c.name == p.reaper_lock).with_for_update())
         victim = p.worker("victim")
         gate = p.gates.hold("gate")
         with released(p.gates, gate):

@@ -156,6 +156,7 @@ def test_a_database_migrated_by_0001_at_version_1_is_upgraded_by_0002(
                 t.pause_log,
                 t.transition_totals,
                 t.transition_watermark,
+                t.purged,
             ):
                 table.drop(conn)
             conn.execute(t.version.delete().where(t.version.c.version > 1))

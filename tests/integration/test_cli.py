@@ -295,6 +295,11 @@ def test_the_exit_code_is_the_worst_error_not_the_first(ops: Ops) -> None:
         ["purge"],  # --older-than is required
         ["purge", "--older-than", "1d", "--state", "RUNNING"],
         ["list", "--limit", "0"],
+        ["retry", "--state", "BOGUS", "--reason", "x"],
+        ["fail", "--state", "BOGUS", "--reason", "x"],
+        ["resolve", "--state", "BOGUS", "--reason", "x"],
+        ["cancel", "--state", "BOGUS", "--reason", "x"],
+        ["cancel", "--terminate", "--state", "PENDING", "--reason", "x"],
     ],
 )
 def test_bad_input_exits_2_without_a_traceback(ops: Ops, args: list[str]) -> None:
@@ -302,6 +307,29 @@ def test_bad_input_exits_2_without_a_traceback(ops: Ops, args: list[str]) -> Non
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert "Error" in result.stderr
+
+
+@pytest.mark.parametrize("action", ["retry", "fail", "resolve", "cancel"])
+def test_an_acting_command_with_no_such_state_says_so_in_one_line(ops: Ops, action: str) -> None:
+    one_line_error(run(ops, action, "--state", "BOGUS", "--reason", "x"), 2, "BOGUS")
+
+
+def test_terminate_with_filters_is_refused_and_changes_nothing(ops: Ops) -> None:
+    task_id = ops.submit()
+    result = run(ops, "cancel", "--terminate", "--state", "PENDING", "--reason", "x")
+    assert result.exit_code == 2, result.output
+    assert "--terminate goes with task ids only" in result.output
+    assert ops.store.get(task_id).state is State.PENDING
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_value_the_database_refuses_exits_2_saying_what_is_wrong(ops: Ops) -> None:
+    # a queue name over the column's 255 characters: bad input, not an outage (exit 3)
+    line = one_line_error(
+        run(ops, "pause", "--queue", "q" * 10_000, "--reason", "x"), 2, "refused a value"
+    )
+    assert "too long" in line and "unavailable" not in line
 
 
 def test_purge_counts_shows_progress_and_deletes(ops: Ops) -> None:

@@ -43,6 +43,11 @@ REFUSED: list[tuple[dict[str, Any], type[InvalidSubmission], str, str]] = [
     ({"countdown": "5"}, InvalidSubmissionType, "countdown", "number of seconds"),
     ({"countdown": float("inf")}, InvalidSubmissionValue, "countdown", "finite"),
     ({"countdown": True}, InvalidSubmissionType, "countdown", "number of seconds"),
+    # past any datetime: a bare OverflowError / ValueError from Celery before
+    ({"countdown": 1e12}, InvalidSubmissionValue, "countdown", "ten years"),
+    ({"countdown": 10**20}, InvalidSubmissionValue, "countdown", "ten years"),
+    ({"countdown": 10**400}, InvalidSubmissionValue, "countdown", "ten years"),
+    ({"countdown": -1e12}, InvalidSubmissionValue, "countdown", "ten years"),
 ]
 
 
@@ -70,6 +75,14 @@ def test_submissions_outside_the_limits_are_refused_alike_on_every_store(
     with pytest.raises(ArgumentsTooLarge) as too_large:
         work.apply_async(("k",), {"gate": None, "key": over})
     assert too_large.value.argument == "kwargs"
+    # nested deeper than the encoder goes: a RecursionError before
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    for args, kwargs, argument in (((deep,), None, "args"), (("k",), {"gate": deep}, "kwargs")):
+        with pytest.raises(InvalidSubmissionValue) as nested:
+            work.apply_async(args, kwargs)
+        assert nested.value.argument == argument and "nested deeper" in str(nested.value)
 
     # nothing of the above was written or published
     assert p.store.list_tasks() == []

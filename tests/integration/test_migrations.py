@@ -113,6 +113,7 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
             "pause_log",
             "transition_totals",
             "transition_watermark",
+            "purged",
         )
     }
     assert migrated == expected
@@ -137,6 +138,8 @@ def test_a_version_1_database_is_upgraded_in_place(make_store):
         t.pause_log.drop(conn)
         t.transition_totals.drop(conn)
         t.transition_watermark.drop(conn)
+        t.purged.drop(conn)
+        _drop_origin(store, conn)
         conn.exec_driver_sql(
             f"ALTER TABLE {store.engine.dialect.identifier_preparer.format_table(t.tasks)} "
             "DROP COLUMN message"
@@ -159,9 +162,12 @@ def test_a_version_3_database_gains_the_message_column_and_keeps_its_rows(make_s
     t, version = store.t.tasks, store.t.version
     table = store.engine.dialect.identifier_preparer.format_table(t)
     with store.engine.begin() as conn:  # the database as schema version 3 left it
+        _drop_origin(store, conn)
+        drop_follow_ups(store, conn)
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN message")
         store.t.transition_totals.drop(conn)
         store.t.transition_watermark.drop(conn)
+        store.t.purged.drop(conn)
         conn.execute(version.delete().where(version.c.version >= 4))
     assert store.schema_version() == 3
 
@@ -204,6 +210,8 @@ def test_a_version_4_database_gains_the_transition_totals_and_keeps_its_audit_tr
     t = store.t
     tr = t.transitions
     with store.engine.begin() as conn:  # the database as schema version 4 left it
+        _drop_origin(store, conn)
+        t.purged.drop(conn)
         drop_follow_ups(store, conn)
         t.transition_totals.drop(conn)
         t.transition_watermark.drop(conn)
@@ -256,6 +264,13 @@ def drop_follow_ups(store: Any, conn: Any) -> None:
     conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN follow_ups_at")
 
 
+def _drop_origin(store: Any, conn: Any) -> None:
+    """Drop the ``origin`` columns schema version 8 added (an older database's shape)."""
+    preparer = store.engine.dialect.identifier_preparer
+    for table in (store.t.tasks, store.t.workers):
+        conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(table)} DROP COLUMN origin")
+
+
 def test_a_version_5_database_gains_the_follow_ups_column_and_keeps_its_rows(make_store):
     store = make_store(migrate=False)
     store.migrate()
@@ -266,8 +281,10 @@ def test_a_version_5_database_gains_the_follow_ups_column_and_keeps_its_rows(mak
     store.submit(task)
     t = store.t
     with store.engine.begin() as conn:  # the database as schema version 5 left it
+        _drop_origin(store, conn)
+        t.purged.drop(conn)
         drop_follow_ups(store, conn)
-        conn.execute(t.version.delete().where(t.version.c.version == 6))
+        conn.execute(t.version.delete().where(t.version.c.version >= 6))
     assert store.schema_version() == 5
 
     assert store.migrate() == (5, SCHEMA_VERSION)
@@ -283,6 +300,45 @@ def test_a_version_5_database_gains_the_follow_ups_column_and_keeps_its_rows(mak
     with store.engine.connect() as conn:
         marked = conn.execute(select(t.tasks.c.follow_ups_at).where(t.tasks.c.id == "kept"))
         assert marked.scalar_one() is None
+
+
+def test_a_version_6_database_gains_the_purged_tombstones_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    task = NewTask(
+        id="old", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+    )
+    store.submit(task)
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 6 left it
+        _drop_origin(store, conn)
+        t.purged.drop(conn)
+        conn.execute(t.version.delete().where(t.version.c.version >= 7))
+    assert store.schema_version() == 6
+
+    assert store.migrate() == (6, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert store.get("old") is not None and len(store.history("old")) == 1
+
+
+def test_a_version_7_database_gains_the_origin_columns_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    task = NewTask(
+        id="old", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+    )
+    store.submit(task)
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 7 left it
+        _drop_origin(store, conn)
+        conn.execute(t.version.delete().where(t.version.c.version == 8))
+    assert store.schema_version() == 7
+
+    assert store.migrate() == (7, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert store.get("old") is not None  # its origin unknown: every app may publish it
 
 
 def test_migrate_is_idempotent(make_store):
@@ -411,3 +467,9 @@ def test_a_newer_schema_is_refused_even_with_auto_migrate(make_store):
     with pytest.raises(SchemaOutOfDate) as info:
         fresh.ensure_schema()
     assert info.value.current == SCHEMA_VERSION + 1
+    # the code is older than the store: migrating cannot help, and it says which is needed
+    message = str(info.value)
+    assert "older than the store" in message and f"version {SCHEMA_VERSION + 1}" in message
+    assert "lease migrate" not in message
+    with pytest.raises(SchemaOutOfDate, match="older than the store"):
+        fresh.migrate()

@@ -237,3 +237,81 @@ def test_workers_purge_what_they_finished_and_keep_live_rows(
     assert p.get(manual).state is S.WAIT_MANUAL
     # nothing was run more than once on the way
     assert p.external.count("add") == 1 and p.external.count("boom") == 1
+
+
+# -- tombstones: a late message of a purged row is not adopted ----------------------------
+
+
+def test_a_purged_id_is_not_adopted_until_its_tombstone_expires(
+    make_store: Callable[..., Store],
+) -> None:
+    store = make_store(retention=0.5)
+    task_id = submit(store)
+    store.request_cancel(task_id, actor="op", reason="not needed")  # PENDING -> CANCELLED
+    assert store.purge(older_than=0, states_=[S.CANCELLED]) == 1
+    owner = running(store)[2]
+    adopt = new_task(task_id)
+
+    refused = store.claim(task_id, owner, "worker:w1@host", adopt=adopt)
+    assert getattr(refused, "why", "").startswith("its row was purged"), refused
+    assert store.get(task_id) is None
+    # past keep_until (lease_retention after the purge) the reaper deletes the tombstone
+    from celery import Celery
+
+    reaper = Reaper(Celery(set_as_current=False), actor="reaper:test", store=store)
+    wait_until(
+        lambda: reaper.sweep() is not None and store.purge_tombstones() == 0 and _no_tomb(store),
+        timeout=30,
+        message="tombstone deleted",
+    )
+    assert store.claim(task_id, owner, "worker:w1@host", adopt=adopt).lease.attempt == 1  # type: ignore[union-attr]
+
+
+def _no_tomb(store: Store) -> bool:
+    p = store.t.purged
+    with store.engine.connect() as conn:
+        return conn.execute(p.select()).first() is None
+
+
+def test_retention_leaves_a_tombstone_for_what_it_purges(make_store: Callable[..., Store]) -> None:
+    store = make_store(retention=0.1)
+    task_id = finished(store)
+    aged(store, [task_id], 0.2)
+    assert store.purge_expired(0.1) == 1
+    refused = store.claim(task_id, running(store)[2], "worker:w@h", adopt=new_task(task_id))
+    assert getattr(refused, "why", "").startswith("its row was purged"), refused
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [
+        pytest.param("redis", "sqlite", id="redis-sqlite"),
+        pytest.param("amqp", "postgresql", id="amqp-postgresql", marks=pytest.mark.postgres),
+    ],
+    indirect=True,
+)
+def test_a_cancelled_task_purged_before_its_message_arrives_never_runs(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    # before: the queued message was adopted ("adopted: message without a row") and ran
+    from celery_lease import admin
+
+    p = lease_env.project(broker_url=broker_url)
+    p.worker()
+    api = admin(p.module.app)
+    dropped = p.store.counters()["duplicates_dropped"]
+    task_id = p.submit("t.add", 7, 7, countdown=10)  # its message waits for its ETA
+    assert api.cancel(task_id, reason="not needed", actor="op") is S.PENDING
+    assert api.purge(older_than=0) == 1
+    assert p.store.get(task_id) is None
+
+    # the message arrives at its ETA, finds no row and a tombstone: dropped, not run
+    wait_until(
+        lambda: p.store.counters()["duplicates_dropped"] > dropped,
+        timeout=60,
+        message="the late message dropped",
+    )
+    assert p.store.get(task_id) is None
+    assert p.external.count("add") == 0
+    p.drain()
+    assert p.external.count("add") == 1  # the drain's own task only

@@ -63,6 +63,7 @@ DEFAULTS = {
     "claim_batch_size": 100,
     "claim_interval": 0.005,
     "claim_ahead_window": 1.0,
+    "origin": None,
 }
 
 
@@ -113,7 +114,8 @@ def test_retention_none_keeps_everything_and_unset_is_the_default():
 
 
 def test_every_field_has_exactly_one_setting():
-    fields = {f.name for f in dataclasses.fields(LeaseConfig)}
+    # origin is derived from broker_url, not a setting of its own
+    fields = {f.name for f in dataclasses.fields(LeaseConfig)} - {"origin"}
     assert {key.removeprefix("lease_") for key in SETTINGS} == fields
     assert all(key.startswith("lease_") and key == key.lower() for key in SETTINGS)
 
@@ -298,3 +300,11 @@ def test_installing_bounds_the_redis_broker_sockets(broker, given, expected):
     app.conf.update(broker_transport_options=given, lease_db_timeout=12.0)
     install(app)  # no connection is made
     assert dict(app.conf.broker_transport_options) == expected
+
+
+def test_the_origin_is_the_broker_url_without_its_password():
+    conf = from_mapping({"broker_url": "amqp://guest:s3cret@rabbit:5672/prod"})
+    assert conf.origin == "amqp://guest:**@rabbit:5672/prod"
+    assert from_mapping({}).origin is None
+    app = Celery("t", broker="redis://:pw@127.0.0.1:6379/3", set_as_current=False)
+    assert from_mapping(app.conf).origin == "redis://:**@127.0.0.1:6379/3"

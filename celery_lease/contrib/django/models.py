@@ -49,6 +49,9 @@ class Task(models.Model):
     kwargs = models.TextField(null=True)
     options = models.TextField(null=True)
     message = models.TextField(null=True, help_text="The message Celery built for the task (JSON).")
+    origin = models.CharField(
+        max_length=255, null=True, help_text="The broker of the task's app (URL, no password)."
+    )
     eta = LeaseTimeField(null=True)
     lease_ttl = models.FloatField()
     max_runtime = models.FloatField(null=True)
@@ -175,6 +178,9 @@ class Worker(models.Model):
     heartbeat_at = LeaseTimeField()
     stopped_at = LeaseTimeField(null=True)
     stop_reason = models.TextField(null=True)
+    origin = models.CharField(
+        max_length=255, null=True, help_text="The broker of the worker's app (URL, no password)."
+    )
 
     objects: ClassVar[LeaseManager] = LeaseManager()
 
