@@ -50,6 +50,8 @@ class FollowUpsMixin(StoreBase):
                     t.c.follow_ups_at.is_not(None),
                     after(t.c.follow_ups_at, grace) < db_now(),
                     t.c.state == State.SUCCEEDED.value,
+                    # follow-ups go to the broker of the row's own app
+                    self._publishes(),
                 )
                 .order_by(t.c.follow_ups_at)
                 .limit(batch)
