@@ -8,9 +8,10 @@ task, its id's result is the replacement's. Through a lease:
 * the leased tasks the replacement submits are collected, not written
   (:func:`celery_lease._submission.collected`);
 * one transaction records the replaced run's outcome, SUCCEEDED with the reason
-  :data:`REPLACED` (fenced by attempt and token), and writes the collected rows. A row
-  with the replaced id (a single leased replacement) replaces the finished row: a
-  fresh PENDING row with the replacement's message (the id's audit trail keeps both);
+  :data:`~celery_lease.store.REPLACED` (fenced by attempt and token), and writes the
+  collected rows. A row with the replaced id (a single leased replacement) replaces
+  the finished row: a fresh PENDING row with the replacement's message (the id's
+  audit trail keeps both);
 * the messages are then published. A worker lost after the transaction leaves the
   rows PENDING and unpublished: the reaper publishes them (the row is the outbox), so
   the replacement runs once. A worker lost before it leaves the replaced run RUNNING:
@@ -33,11 +34,9 @@ from celery.exceptions import Ignore
 from . import _submission
 from ._execution import Execution
 from ._runtime import runtime
+from .store import REPLACED
 
 logger = logging.getLogger("celery_lease")
-
-#: The reason of a replaced run's outcome (its task id's result is the replacement's).
-REPLACED = "replaced: the task id's result is its replacement's"
 
 
 def replace(task: Task[Any, Any], execution: Execution, sig: Any) -> NoReturn:

@@ -111,6 +111,7 @@ def prepare(
             routing[key] = getattr(value, "name", value)
     new = NewTask.of(
         task.lease_options(config),
+        resend=_resending.get(),
         id=task_id,
         name=task.name,
         args=args_text,
@@ -310,6 +311,25 @@ class _Batch:
 _active: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
     "celery_lease_bulk", default=None
 )
+
+#: Set while a message already submitted once is sent again (see :func:`resending`).
+_resending: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "celery_lease_resending", default=False
+)
+
+
+@contextlib.contextmanager
+def resending() -> Iterator[None]:
+    """Inside the block, a submission sends again a message submitted once before (a
+    follow-up published a second time after a crash), it is not a new submission: an id
+    that has a row is that task and publishes nothing, even once it finished, unless a
+    replaced run left the row for its replacement. Outside, a new submission of a
+    finished task's id runs it again, as Celery does."""
+    token = _resending.set(True)
+    try:
+        yield
+    finally:
+        _resending.reset(token)
 
 
 def in_bulk() -> bool:

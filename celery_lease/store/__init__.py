@@ -8,7 +8,7 @@ from ._joined import JoinedTransaction, join_transaction, outbox_transaction
 from ._outcomes import Outcome
 from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
-from ._producer import REOPENABLE, RESUBMITTED, JoinedSubmission
+from ._producer import REOPENABLE, REPLACED, RESUBMITTED, JoinedSubmission
 from ._reads import InvariantPage
 from ._redact import redact
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
@@ -33,6 +33,7 @@ __all__ = [
     "PAUSE_KINDS",
     "PURGED",
     "REOPENABLE",
+    "REPLACED",
     "REPUBLISHED",
     "RESUBMITTED",
     "SCHEMA_VERSION",

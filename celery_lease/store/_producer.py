@@ -17,6 +17,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    and_,
     any_,
     bindparam,
     delete,
@@ -72,6 +73,10 @@ _SUBMIT = (
 
 #: The reason of a finished row's new run (a new submission of its task id).
 RESUBMITTED = "resubmitted: a new run of the same task id"
+
+#: The reason of a run ended by ``Task.replace()`` (followed by what replaced it): the
+#: row hands its task id over to the replacement's submission, even a re-sent one.
+REPLACED = "replaced: the task id's result is its replacement's"
 
 #: The finished states whose row a new submission of the same task id replaces (the
 #: rest are live, or CANCELLED: a re-sent id is dropped, as Celery's worker drops a
@@ -249,13 +254,17 @@ class ProducerMixin(TotalsMixin):
         audit trail of the id keeps both runs; the finished row itself never changes
         state (a fresh row starts at ``None -> PENDING``; its claims get new tokens, so
         an execution of the old run stays fenced off). Whether it was replaced
-        (``False``: a dedup key was given, or the row is live or CANCELLED)."""
+        (``False``: a dedup key was given, or the row is live or CANCELLED, or the
+        submission is a re-send, :attr:`NewTask.resend`, of a row not replaced)."""
         if new.dedup_key is not None:
             return False
         t, steps = self.t.tasks, self.t.steps
-        gone = conn.execute(
-            delete(t).where(t.c.id == new.id, t.c.state.in_([s.value for s in REOPENABLE]))
-        ).rowcount
+        finished: ColumnElement[bool] = t.c.state.in_([s.value for s in REOPENABLE])
+        if new.resend:
+            # a message sent again (a follow-up published a second time): the row is
+            # this task, unless a replaced run left it for its replacement
+            finished = and_(state_is(t, State.SUCCEEDED), t.c.reason.startswith(REPLACED))
+        gone = conn.execute(delete(t).where(t.c.id == new.id, finished)).rowcount
         if not gone:
             return False
         conn.execute(delete(steps).where(steps.c.task_id == new.id))

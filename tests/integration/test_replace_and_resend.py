@@ -5,6 +5,7 @@ Real workers, both brokers, both stores."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from celery import chain
 
 from celery_lease import State, TaskRecord
+from celery_lease.store import REPLACED, Claim, NewTask, Store
 
 from ..crash.support import CLEAN_RUN, LeaseEnv
 from ..helpers import wait_until
@@ -150,3 +152,39 @@ def test_a_finished_task_id_sent_again_runs_again_unless_deduplicated(
     assert add.delay(0, 0).get(timeout=60) == 0
     assert p.trail(keyed.id) == CLEAN_RUN
     assert "9+9" not in [e.payload for e in lease_env.external.effects("add")]
+
+
+def test_the_store_tells_a_new_submission_from_a_resent_message(store: Store) -> None:
+    new = NewTask(
+        id="x",
+        name="tests.job",
+        args="[]",
+        kwargs="{}",
+        options=None,
+        lease_ttl=5.0,
+        max_recoveries=3,
+    )
+    resent = dataclasses.replace(new, resend=True)
+
+    def run(reason: str = "succeeded") -> None:
+        claim = store.claim("x", "owner", "worker:test")
+        assert isinstance(claim, Claim)
+        if reason == "succeeded":
+            assert store.finish(claim.lease, State.SUCCEEDED, actor="worker:test", reason=reason)
+        else:
+            assert store.replace(claim.lease, [], actor="worker:test", reason=reason) == []
+
+    assert store.submit(new) == ("x", True)
+    assert store.submit(new) == ("x", False)  # live: one run at a time per id
+    run()
+    assert store.submit(resent) == ("x", False)  # the same message again: the same task
+    assert store.submit(new) == ("x", True)  # a new submission: a fresh row
+    assert store.get("x").state is State.PENDING  # type: ignore[union-attr]
+    run(f"{REPLACED} (by t.other)")
+    # a replaced run hands its id to the replacement, even one sent a second time
+    assert store.submit(resent) == ("x", True)
+    assert store.submit(resent) == ("x", False)
+    assert [(t.from_state, t.to_state) for t in store.history("x")] == [
+        *[(None if a is None else State(a), State(b)) for a, b in CLEAN_RUN] * 2,
+        (None, State.PENDING),
+    ]
