@@ -277,13 +277,13 @@ class _Batch:
         created = [p for p, (_, made) in zip(self.items, answers, strict=True) if made]
         sent: list[str] = []
         try:
+            # a producer of our own: the one a caller passed to apply_async (Celery's
+            # chord passes its own to the header's members) may be back in kombu's pool,
+            # its channel gone, by the time the block ends
             with self.app.producer_or_acquire(None) as producer:
                 for pending in created:
                     _message.send(
-                        self.app,
-                        pending.outgoing,
-                        pending.producer or producer,
-                        timeout=rt.config.db_timeout,
+                        self.app, pending.outgoing, producer, timeout=rt.config.db_timeout
                     )
                     sent.append(pending.outgoing.task_id)
         except (KombuOperationalError, ConnectionError, OSError) as error:
