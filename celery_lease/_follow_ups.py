@@ -21,7 +21,9 @@ them for good, since the redelivered message is dropped (the row is final). So:
 A follow-up published twice (the worker died after sending and before marking) is
 one in effect: every follow-up has a fixed id (a chain's steps and a chord's callback
 are frozen by Celery; a ``link`` callback without one gets :func:`callback_id`), so a
-leased follow-up's second submission finds its row and publishes nothing, and a
+leased follow-up's second submission (inside ``_submission.resending()``: not a new
+submission of its id, which would run a finished task again) finds its row and
+publishes nothing, and a
 second delivery is dropped at claim; the Redis result backend counts a chord member
 once per (task id, index) and publishes the chord's callback once.
 """
@@ -209,7 +211,12 @@ def _replay_one(app: Celery, row: FollowUps) -> None:
     request = request_context(app, row.message)
     request.retries = row.retries
     result = json.loads(row.result) if row.result is not None else None
-    send(app, row.id, request, list(request.callbacks or ()), list(request.chain or ()), result)
+    # the same messages again, not new submissions: a follow-up whose row exists (its
+    # first publication got through) is that task, even if it has finished since
+    from ._submission import resending  # submission imports the runtime, which imports us
+
+    with resending():
+        send(app, row.id, request, list(request.callbacks or ()), list(request.chain or ()), result)
     task = app.tasks.get(row.name)
     backend = task.backend if task is not None else app.backend
     if isinstance(backend, DisabledBackend):

@@ -12,7 +12,9 @@ before ``apply_async`` returns, so the ``GroupResult`` a caller gets names tasks
 exist, as with plain Celery. Members that are not leased are sent by Celery at once.
 
 ``lease_batch_groups = False`` keeps Celery's loop as it is (one committed row per
-member). A group inside a ``bulk()`` block is collected by that block.
+member). A group inside a ``bulk()`` block is collected by that block. A group (or
+chord header) built from a generator is not batched: Celery sends each member as the
+generator yields it, and so does the lease (one committed row per member).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def install(leased: type) -> None:
 def _batched(app: Celery, tasks: Iterable[Any], leased: type) -> bool:
     """Whether this group's members go through a ``bulk()`` block of ``app``."""
     if app.conf.task_always_eager or in_bulk():  # an open block collects the members
+        return False
+    if type(tasks) not in (list, tuple):
+        # a generator (Celery keeps it lazy, in a list subclass): Celery's loop sends
+        # each member as the generator yields it, and a chord header from a generator
+        # is streamed (Celery's #3021); collecting would unroll it before sending any
         return False
     if not _has_leased(app, tasks, leased):
         return False

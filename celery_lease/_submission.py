@@ -41,7 +41,7 @@ from ._execution import encode
 from ._limits import check_submission
 from ._runtime import Runtime, runtime
 from .config import LeaseConfig
-from .store import LeaseOptions, NewTask, dumps
+from .store import Lease, LeaseOptions, NewTask, dumps
 
 #: apply_async options kept in the row so that a re-published message is routed the same way.
 _ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
@@ -111,6 +111,7 @@ def prepare(
             routing[key] = getattr(value, "name", value)
     new = NewTask.of(
         task.lease_options(config),
+        resend=_resending.get(),
         id=task_id,
         name=task.name,
         args=args_text,
@@ -166,7 +167,14 @@ def submit(
     tid, created = rt.store.submit(new)
     crash_point("after_insert")
     if not created:
-        logger.info("task %s[%s]: already submitted (dedup), nothing published", task.name, tid)
+        logger.info(
+            "task %s[%s]: %s, nothing published",
+            task.name,
+            tid,
+            "already submitted with this dedup key"
+            if dedup_key is not None
+            else "this task id is already submitted and not finished (or cancelled)",
+        )
         return task.AsyncResult(tid)
     return publish(task, rt, outgoing, producer)
 
@@ -217,6 +225,15 @@ class Submitted:
         return str(self.result.id)
 
 
+@dataclasses.dataclass(frozen=True)
+class Replaced:
+    """The run a batch replaces: its lease, and the outcome's actor and reason."""
+
+    lease: Lease
+    actor: str
+    reason: str
+
+
 @dataclasses.dataclass
 class _Pending:
     new: NewTask
@@ -234,24 +251,39 @@ class _Batch:
     def add(self, new: NewTask, outgoing: _message.Outgoing, producer: Any = None) -> None:
         self.items.append(_Pending(new, outgoing, producer))
 
-    def commit(self) -> list[Submitted]:
-        """Write every row (multi-row statements), then publish the created ones."""
-        if not self.items:
+    def commit(self, replaced: Replaced | None = None) -> list[Submitted] | None:
+        """Write every row (multi-row statements), then publish the created ones.
+
+        ``replaced``: the run these rows replace (``Task.replace()``): its outcome and
+        the rows are one transaction; ``None`` is returned, and nothing published, when
+        its lease was lost.
+        """
+        if not self.items and replaced is None:
             return []
         rt = runtime(self.app)
         store = rt.store
-        answers = store.submit_many([p.new for p in self.items])
+        rows = [p.new for p in self.items]
+        if replaced is None:
+            answers = store.submit_many(rows)
+        else:
+            written = store.replace(
+                replaced.lease, rows, actor=replaced.actor, reason=replaced.reason
+            )
+            if written is None:
+                return None
+            answers = written
+            crash_point("after_replace_recorded")
         crash_point("after_insert")
         created = [p for p, (_, made) in zip(self.items, answers, strict=True) if made]
         sent: list[str] = []
         try:
+            # a producer of our own: the one a caller passed to apply_async (Celery's
+            # chord passes its own to the header's members) may be back in kombu's pool,
+            # its channel gone, by the time the block ends
             with self.app.producer_or_acquire(None) as producer:
                 for pending in created:
                     _message.send(
-                        self.app,
-                        pending.outgoing,
-                        pending.producer or producer,
-                        timeout=rt.config.db_timeout,
+                        self.app, pending.outgoing, producer, timeout=rt.config.db_timeout
                     )
                     sent.append(pending.outgoing.task_id)
         except (KombuOperationalError, ConnectionError, OSError) as error:
@@ -279,6 +311,25 @@ class _Batch:
 _active: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
     "celery_lease_bulk", default=None
 )
+
+#: Set while a message already submitted once is sent again (see :func:`resending`).
+_resending: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "celery_lease_resending", default=False
+)
+
+
+@contextlib.contextmanager
+def resending() -> Iterator[None]:
+    """Inside the block, a submission sends again a message submitted once before (a
+    follow-up published a second time after a crash), it is not a new submission: an id
+    that has a row is that task and publishes nothing, even once it finished, unless a
+    replaced run left the row for its replacement. Outside, a new submission of a
+    finished task's id runs it again, as Celery does."""
+    token = _resending.set(True)
+    try:
+        yield
+    finally:
+        _resending.reset(token)
 
 
 def in_bulk() -> bool:
@@ -323,7 +374,20 @@ def bulk(app: Celery | None = None) -> Iterator[list[Submitted]]:
         yield submitted
     finally:
         _active.reset(token)
-    submitted.extend(batch.commit())
+    submitted.extend(batch.commit() or ())
+
+
+@contextlib.contextmanager
+def collected(app: Celery) -> Iterator[_Batch]:
+    """Collect the leased tasks submitted inside the block into a batch the caller
+    commits (``Task.replace()``: with the replaced run's outcome). Blocks do not nest;
+    a :func:`bulk` block already open collects into its own batch."""
+    batch = _Batch(app)
+    token = _active.set(batch)
+    try:
+        yield batch
+    finally:
+        _active.reset(token)
 
 
 def submit_many(
@@ -349,7 +413,7 @@ def submit_many(
                 error.add_note(f"in item {index} of submit_many()")
             raise
         batch.add(new, outgoing)
-    return batch.commit()
+    return batch.commit() or []
 
 
 def _items(

@@ -47,7 +47,7 @@ from typing import Any
 
 from .config import MAX_SECONDS
 from .states import RETRYABLE, STEP_DONE, STEP_STARTED, State, is_legal
-from .store import Store
+from .store import REOPENABLE, Store
 
 #: Kind of violation -> what it means (the CLI prints these).
 KINDS: dict[str, str] = {
@@ -235,7 +235,7 @@ def _check_page(store: Store, ids: Sequence[str], slack: float, liveness: bool) 
         task_id = str(row.id)
         state = State(row.state)
         out.extend(_check_shape(task_id, state, row, liveness))
-        trail = trails.get(task_id, [])
+        trail = _current_run(task_id, trails.get(task_id, []), out)
         out.extend(_check_trail(task_id, state, int(row.attempt), trail))
         out.extend(_check_steps(task_id, trail, steps.get(task_id, [])))
     return out
@@ -276,6 +276,26 @@ def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterat
             f"{state.value} on broker {row.origin}: no live worker of an app on that broker; "
             "start one (its reaper publishes the row)",
         )
+
+
+def _current_run(task_id: str, trail: list[_Audit], out: list[Violation]) -> list[_Audit]:
+    """The audit rows of the task's current row. A task id submitted again after its run
+    finished (SUCCEEDED or FAILED) got a fresh row, whose trail starts again at
+    ``None -> PENDING``; an earlier run that ended anywhere else is an ``audit_gap``."""
+    start = 0
+    for i in range(1, len(trail)):
+        if trail[i].frm is None:
+            if trail[i - 1].to not in REOPENABLE:
+                out.append(
+                    Violation(
+                        "audit_gap",
+                        task_id,
+                        f"audit row {trail[i].id} creates the row again but row "
+                        f"{trail[i - 1].id} ended at {trail[i - 1].to.value}",
+                    )
+                )
+            start = i
+    return trail[start:]
 
 
 def _check_trail(

@@ -13,7 +13,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.result import AsyncResult
 
-from . import _attempt, _follow_ups, _group_batches, _message, _submission
+from . import _attempt, _follow_ups, _group_batches, _message, _replace, _submission
 from ._crashpoints import crash_point
 from ._execution import Execution
 from ._runtime import install, runtime
@@ -236,6 +236,16 @@ class LeasedTask(Task[Any, Any]):
         part-return after ``lease_publish_grace``)."""
         if _follow_ups.taken(self.request):
             _follow_ups.finish(self, runtime(self.app).store, retval)
+
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's ``replace()`` ends here: in a worker execution, the replaced run's
+        outcome and the replacement's rows are written in one transaction, then the
+        replacement is published (:mod:`celery_lease._replace`); the run ends with
+        ``Ignore``, as in Celery."""
+        execution = _attempt.current.get()
+        if execution is None or self.request.is_eager:
+            return super().on_replace(sig)
+        _replace.replace(self, execution, sig)
 
     def retry(
         self,

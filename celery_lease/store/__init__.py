@@ -8,7 +8,7 @@ from ._joined import JoinedTransaction, join_transaction, outbox_transaction
 from ._outcomes import Outcome
 from ._pauses import KINDS as PAUSE_KINDS
 from ._pauses import Pause, PauseEvent
-from ._producer import JoinedSubmission
+from ._producer import REOPENABLE, REPLACED, RESUBMITTED, JoinedSubmission
 from ._reads import InvariantPage
 from ._redact import redact
 from ._retention import DUPLICATES_DROPPED, PURGED, REPUBLISHED
@@ -32,7 +32,10 @@ __all__ = [
     "DUPLICATES_DROPPED",
     "PAUSE_KINDS",
     "PURGED",
+    "REOPENABLE",
+    "REPLACED",
     "REPUBLISHED",
+    "RESUBMITTED",
     "SCHEMA_VERSION",
     "Claim",
     "Executor",

@@ -17,6 +17,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    and_,
     any_,
     bindparam,
     delete,
@@ -70,6 +71,19 @@ _SUBMIT = (
 )
 
 
+#: The reason of a finished row's new run (a new submission of its task id).
+RESUBMITTED = "resubmitted: a new run of the same task id"
+
+#: The reason of a run ended by ``Task.replace()`` (followed by what replaced it): the
+#: row hands its task id over to the replacement's submission, even a re-sent one.
+REPLACED = "replaced: the task id's result is its replacement's"
+
+#: The finished states whose row a new submission of the same task id replaces (the
+#: rest are live, or CANCELLED: a re-sent id is dropped, as Celery's worker drops a
+#: revoked one).
+REOPENABLE: tuple[State, ...] = (State.SUCCEEDED, State.FAILED)
+
+
 @dataclasses.dataclass(frozen=True)
 class JoinedSubmission:
     """A row written in a caller's open transaction (see ``Store.submit_joined``)."""
@@ -98,7 +112,9 @@ class ProducerMixin(TotalsMixin):
 
     def submit(self, new: NewTask, conn: Executor | None = None) -> tuple[str, bool]:
         """Insert a PENDING row; returns (task id, created). A duplicate dedup key or id
-        returns the existing row's id with ``created=False``.
+        returns the existing row's id with ``created=False``, except a new submission
+        of a finished (SUCCEEDED or FAILED) task's id without a dedup key: a fresh
+        PENDING row with the new message replaces the finished one (``created=True``).
 
         With ``conn`` the row joins the caller's transaction (transactional enqueue; see
         :meth:`submit_joined`). Without, the same transaction also records the rows
@@ -120,6 +136,8 @@ class ProducerMixin(TotalsMixin):
             existing = conn.execute(self._prepared("existing", self._existing), params).scalar()
             if existing is None:  # the conflicting row was purged meanwhile: insert again
                 return op(conn, is_retry)
+            if self._reopen(conn, new):
+                return new.id, True
             return str(existing), False
 
         if conn is not None:
@@ -188,7 +206,7 @@ class ProducerMixin(TotalsMixin):
             )
 
         try:
-            return self._tx(answered, single=True)
+            tid, created = self._tx(answered, single=True)
         except StoreUnavailable as error:
             if not sent or isinstance(error, SubmissionOutcomeUnknown):
                 raise
@@ -198,6 +216,11 @@ class ProducerMixin(TotalsMixin):
                 "written (then the reaper publishes it): retry with the same task_id or "
                 "dedup_key",
             ) from error
+        if not created and tid == new.id and self._tx(lambda conn, _: self._reopen(conn, new)):
+            # a new submission of a finished task's id: a fresh row (in a transaction of
+            # its own: the row it replaces was committed before this call)
+            return new.id, True
+        return tid, created
 
     def _db_deadline(self, conn: Connection) -> datetime:
         """The calling store call's deadline in database time, a little early.
@@ -223,6 +246,33 @@ class ProducerMixin(TotalsMixin):
         db_time, seen = sample
         span = max(0.0, now + left - seen)
         return db_time + timedelta(seconds=span * (1.0 - _CLOCK_DRIFT))
+
+    def _reopen(self, conn: Executor, new: NewTask) -> bool:
+        """A new submission of a finished task's id (no dedup key asked for) is a new
+        run, as Celery runs a re-sent id again: the finished row (SUCCEEDED or FAILED)
+        and its steps are replaced by a fresh PENDING row with the new message. The
+        audit trail of the id keeps both runs; the finished row itself never changes
+        state (a fresh row starts at ``None -> PENDING``; its claims get new tokens, so
+        an execution of the old run stays fenced off). Whether it was replaced
+        (``False``: a dedup key was given, or the row is live or CANCELLED, or the
+        submission is a re-send, :attr:`NewTask.resend`, of a row not replaced)."""
+        if new.dedup_key is not None:
+            return False
+        t, steps = self.t.tasks, self.t.steps
+        finished: ColumnElement[bool] = t.c.state.in_([s.value for s in REOPENABLE])
+        if new.resend:
+            # a message sent again (a follow-up published a second time): the row is
+            # this task, unless a replaced run left it for its replacement
+            finished = and_(state_is(t, State.SUCCEEDED), t.c.reason.startswith(REPLACED))
+        gone = conn.execute(delete(t).where(t.c.id == new.id, finished)).rowcount
+        if not gone:
+            return False
+        conn.execute(delete(steps).where(steps.c.task_id == new.id))
+        countdown = new.countdown is not None
+        insert_stmt = self._prepared(("submit", countdown), lambda: self._submit_insert(countdown))
+        conn.execute(insert_stmt, _submit_params(new))
+        self._audit(conn, new.id, None, State.PENDING, RESUBMITTED, Actor.PRODUCER.value, 0)
+        return True
 
     def submit_joined(self, new: NewTask, conn: Executor) -> JoinedSubmission:
         """:meth:`submit` in the caller's open transaction on ``conn`` (a SQLAlchemy

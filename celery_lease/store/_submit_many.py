@@ -47,7 +47,7 @@ from ..states import Actor, State
 from ._base import TransitionEvent
 from ._producer import _SUBMIT, ProducerMixin, _submit_params
 from ._sql import after, db_now
-from ._types import NewTask
+from ._types import Lease, NewTask
 
 
 def _json_row(new: NewTask, n: int) -> dict[str, Any]:
@@ -87,7 +87,9 @@ class SubmitManyMixin(ProducerMixin):
     ) -> list[tuple[str, bool]]:
         """Insert PENDING rows, ``batch_size`` per statement and transaction; for each
         row in order, (task id, created). A duplicate dedup key or id (also one earlier
-        in ``rows``: the first wins) gives the existing row's id with ``created=False``.
+        in ``rows``: the first wins) gives the existing row's id with ``created=False``,
+        except a new submission of a finished task's id without a dedup key: a fresh
+        row replaces the finished one (``created=True``, see :meth:`submit`).
         """
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -117,6 +119,35 @@ class SubmitManyMixin(ProducerMixin):
                     "retry with the same task ids or dedup keys",
                 ) from error
         return out
+
+    def replace(
+        self, lease: Lease, rows: Sequence[NewTask], *, actor: str, reason: str
+    ) -> list[tuple[str, bool]] | None:
+        """``Task.replace()``: the replaced run's outcome and its replacement's rows, one
+        transaction. The run ends SUCCEEDED (fenced by attempt and token; Celery records
+        nothing for a replaced task, its id's result is the replacement's), then the rows
+        are written as :meth:`submit_many` writes them: one with the replaced task's own
+        id is a fresh row in place of the replaced run's. ``None``: the lease was lost,
+        nothing written.
+        """
+
+        def op(conn: Connection, is_retry: bool) -> list[tuple[str, bool]] | None:
+            ended = self._move(
+                conn,
+                self._fenced(lease),
+                State.RUNNING,
+                State.SUCCEEDED,
+                reason=reason,
+                actor=actor,
+                values={"finished_at": db_now()},
+            )
+            if not ended:
+                # lost; or a first try that committed and whose answer was lost (its rows
+                # are PENDING and not marked published: the reaper publishes them)
+                return None
+            return self._submit_chunk(conn, rows, is_retry) if rows else []
+
+        return self._tx(op)
 
     def _submit_chunk(
         self, conn: Connection, rows: Sequence[NewTask], is_retry: bool
@@ -191,7 +222,8 @@ class SubmitManyMixin(ProducerMixin):
                 # a try whose commit went through but whose answer was lost wrote it
                 answer.append((existing, is_retry and existing == new.id))
             elif new.id in by_id:
-                answer.append((new.id, is_retry))
+                # a new submission of a finished task's id is a new run (a fresh row)
+                answer.append((new.id, is_retry or self._reopen(conn, new)))
             else:  # the conflicting row was purged meanwhile: write it on its own
                 answer.append(self._submit_chunk(conn, [new], is_retry)[0])
         return answer

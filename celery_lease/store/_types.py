@@ -42,6 +42,10 @@ class NewTask:
     on_exhausted: str = "fail"
     #: The message Celery built for the task (see ``celery_lease._message``).
     message: str | None = None
+    #: A second publication of a message already submitted once (a follow-up sent
+    #: again after a crash), not a new submission: a row with its id, even finished,
+    #: is this task (see ``Store.submit``).
+    resend: bool = False
 
     @classmethod
     def of(
@@ -57,6 +61,7 @@ class NewTask:
         countdown: float | None = None,
         eta: datetime | None = None,
         message: str | None = None,
+        resend: bool = False,
     ) -> NewTask:
         """The row of a task submitted with ``lease`` options."""
         return cls(
@@ -75,6 +80,7 @@ class NewTask:
             on_timeout=lease.on_timeout,
             on_exhausted=lease.on_exhausted,
             message=message,
+            resend=resend,
         )
 
 

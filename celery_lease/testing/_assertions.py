@@ -10,7 +10,7 @@ from .. import states
 from ..check import check
 from ..records import TaskRecord
 from ..states import State
-from ..store import Store
+from ..store import REOPENABLE, Store
 from ._worker import _task_id
 
 
@@ -19,7 +19,9 @@ def assert_audit_trail(store: Store, tasks: Iterable[Any] | None = None) -> int:
 
     Every row is a legal transition with an actor, the first creates the row
     (``None -> PENDING``), each starts where the previous one ended, attempts never
-    go back, and the task's state is the last row's. Returns how many tasks it checked.
+    go back, and the task's state is the last row's. A task id submitted again after
+    its run finished (SUCCEEDED or FAILED) has a fresh row: its trail goes on with a
+    new ``None -> PENDING`` and attempts from zero. Returns how many tasks it checked.
     """
     ids = (
         [_task_id(t) for t in tasks]
@@ -33,6 +35,11 @@ def assert_audit_trail(store: Store, tasks: Iterable[Any] | None = None) -> int:
         assert trail, f"task {task_id} has no audit rows"
         assert trail[0].from_state is None and trail[0].to_state is State.PENDING, trail[0]
         for prev, row in itertools.pairwise(trail):
+            if row.from_state is None:  # a new run of the id: a fresh row
+                assert prev.to_state in REOPENABLE and row.to_state is State.PENDING, (
+                    f"{task_id}: a new row after {prev}: {row}"
+                )
+                continue
             assert row.from_state is prev.to_state, f"{task_id}: audit gap {prev} -> {row}"
             assert row.attempt >= prev.attempt, f"{task_id}: attempt went back in {row}"
         for row in trail:

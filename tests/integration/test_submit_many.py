@@ -230,13 +230,13 @@ def test_a_plain_group_and_a_chord_header_write_their_rows_together(
     plain = app.tasks["b.plain_double"]
     store = runtime(app).store
     with Inserts(store) as inserts:
-        grouped = group(double.s(i) for i in range(30)).apply_async()
+        grouped = group([double.s(i) for i in range(30)]).apply_async()
     assert inserts.count == 1  # 30 rows, one multi-row statement
     # written and published before apply_async returned, as plain Celery's are sent
     assert all(p.get(r.id).state is State.PENDING for r in grouped.results)
     wait_until(lambda: queue_depth(broker_url, queue_name) == 30, message="30 messages queued")
     with Inserts(store) as inserts:
-        chorded = chord(double.s(i) for i in range(5))(total.s())
+        chorded = chord([double.s(i) for i in range(5)])(total.s())
     assert inserts.count == 1  # the header; the body is sent when the header is done
     with Inserts(store) as inserts:
         mixed = group(double.s(1), plain.s(2), double.s(3)).apply_async()
@@ -250,6 +250,39 @@ def test_a_plain_group_and_a_chord_header_write_their_rows_together(
     assert mixed.get(timeout=60) == [2, 4, 6]
     for r in grouped.results:
         assert p.get(r.id).attempt == 1
+
+
+@pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)
+def test_a_generator_chord_header_is_streamed_member_by_member(
+    lease_env: LeaseEnv, broker_url: str, redis_url: str
+) -> None:
+    # Celery sends a generator header's members as the generator yields them (#3021,
+    # with the Redis result backend): this generator yields its second member only once
+    # the first one has run, which never happens if the members are collected and
+    # published at the end
+    p = lease_env.project(
+        broker_url=broker_url, source=PROJECT, settings={"result_backend": redis_url}
+    )
+    app = p.module.app
+    double, total = app.tasks["b.double"], app.tasks["b.total"]
+    p.worker(concurrency=2)
+
+    def first_ran() -> bool:
+        rows = p.store.list_tasks(name="b.double")
+        return any(r.args == [1] and r.state is State.SUCCEEDED for r in rows)
+
+    def header() -> Iterator[Any]:
+        # Celery's loop looks one member ahead: the first is sent once the second is
+        # yielded
+        yield double.s(1)
+        yield double.s(2)
+        wait_until(first_ran, timeout=30, message="the first member ran")
+        yield double.s(3)
+
+    with Inserts(runtime(app).store) as inserts:
+        chorded = chord(header())(total.s())
+    assert inserts.count == 3  # one committed row per member, each sent at once
+    assert chorded.get(timeout=60) == 12
 
 
 @pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
@@ -266,7 +299,7 @@ def test_lease_batch_groups_off_writes_a_groups_rows_one_by_one(
     app = p.module.app
     double = app.tasks["b.double"]
     with Inserts(runtime(app).store) as inserts:
-        grouped = group(double.s(i) for i in range(10)).apply_async()
+        grouped = group([double.s(i) for i in range(10)]).apply_async()
     assert inserts.count == 10  # Celery's loop as it is: one committed row per member
     p.worker(concurrency=2)
     assert grouped.get(timeout=60) == [2 * i for i in range(10)]
