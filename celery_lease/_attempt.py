@@ -285,10 +285,11 @@ class _Delivery:
     def _adoption(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> NewTask:
         """The row to create if this message was sent without one (e.g. by name)."""
         task, req = self.task, self.req
-        try:
-            args_text: str | None = encode("arguments", list(args))
-            kwargs_text: str | None = encode("keyword arguments", dict(kwargs))
-        except NotSerializable:
+        args_text: str | None
+        kwargs_text: str | None
+        try:  # exactly, or not at all: without a message the row is published from them
+            args_text, kwargs_text = _message.arguments_text(args, kwargs, exact=True)
+        except (TypeError, ValueError):
             args_text = kwargs_text = None
         info = req.delivery_info or {}
         routing = {"exchange": info.get("exchange"), "routing_key": info.get("routing_key")}

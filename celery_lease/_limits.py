@@ -5,8 +5,8 @@ One set of limits for every store: SQLite would accept text that PostgreSQL refu
 must fail the same way everywhere, as a ``ValueError``/``TypeError`` that names the
 argument, never as a ``StoreError`` after part of the work is done. Every submission
 path (``apply_async``, the transactional outbox, bulk submission) calls
-:func:`check_submission`; it runs on every submission, so it only compares lengths of
-text that was built anyway.
+:func:`check_submission` and :func:`check_arguments_size`; they run on every
+submission, so they only compare lengths of text that was built anyway.
 """
 
 from __future__ import annotations
@@ -115,29 +115,33 @@ def check_submission(
     task_name: str,
     task_id: object,
     dedup_key: object,
-    args_text: str,
-    kwargs_text: str,
     countdown: object,
     eta: object,
-    args_max_bytes: int,
 ) -> Schedule:
-    """Check one submission against every limit; return its schedule.
-
-    ``args_text``/``kwargs_text`` are the arguments as the row stores them (compact JSON
-    with ASCII escapes, so characters are bytes).
+    """Check one submission's names and schedule; return its schedule.
 
     Raises:
         InvalidSubmissionType: an argument of the wrong type (names it).
         InvalidSubmissionValue: a value outside the limits (names it).
-        ArgumentsTooLarge: the arguments are over ``args_max_bytes`` (an
-            :class:`InvalidSubmissionValue`).
     """
     check_key("task name", task_name)
     check_key("task_id", task_id)
     if dedup_key is not None:
         check_key("dedup_key", dedup_key)
+    return check_schedule(countdown, eta)
+
+
+def check_arguments_size(
+    task_name: str, args_text: str, kwargs_text: str, args_max_bytes: int
+) -> None:
+    """``args_text``/``kwargs_text``: the arguments as the row stores them (compact JSON
+    with ASCII escapes, so characters are bytes).
+
+    Raises:
+        ArgumentsTooLarge: the arguments are over ``args_max_bytes`` (an
+            :class:`InvalidSubmissionValue`).
+    """
     size = len(args_text) + len(kwargs_text)
     if size > args_max_bytes:
         biggest = "args" if len(args_text) >= len(kwargs_text) else "kwargs"
         raise ArgumentsTooLarge(biggest, size, args_max_bytes, task_name)
-    return check_schedule(countdown, eta)

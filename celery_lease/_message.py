@@ -30,6 +30,7 @@ from celery.app.task import Context
 from celery.result import AsyncResult
 from kombu import Queue
 from kombu.serialization import dumps as kombu_dumps
+from kombu.utils.json import JSONEncoder
 from kombu.utils.json import dumps as json_dumps
 from kombu.utils.json import loads as json_loads
 
@@ -128,6 +129,12 @@ class Outgoing:
     def headers(self) -> dict[str, Any]:
         return dict(self.calls[0][1].get("headers") or {})
 
+    def arguments(self) -> tuple[list[Any], dict[str, Any]]:
+        """The arguments as Celery put them in the message (after its own conversions:
+        a ``pydantic=True`` task's models are dumped to dicts)."""
+        args, kwargs, _embed = self.calls[0][0]
+        return list(args or ()), dict(kwargs or {})
+
     def stored(self) -> str:
         """The task message as stored in the row (JSON)."""
         body, kw = self.calls[0]
@@ -161,6 +168,33 @@ class Outgoing:
                 "declare": declare,
             }
         )
+
+
+class _Shown(JSONEncoder):
+    """Celery's JSON encoder (kombu's: datetimes, dates, UUIDs, decimals and bytes as
+    typed values it decodes again); a value only another serializer carries (pickle,
+    msgpack) is shown by its ``repr``, the message keeps the value itself."""
+
+    def default(self, o: Any) -> Any:
+        try:
+            return super().default(o)
+        except TypeError:
+            return {"__repr__": repr(o)}
+
+
+def arguments_text(args: Any, kwargs: Any, *, exact: bool = False) -> tuple[str, str]:
+    """The row's ``args`` and ``kwargs`` columns: compact JSON as Celery's JSON
+    serializer writes it (:func:`kombu.utils.json.loads` reads it back).
+
+    Raises:
+        TypeError: with ``exact``, a value Celery's JSON serializer cannot encode
+            (without it, such a value is shown by its ``repr``).
+    """
+    cls = JSONEncoder if exact else _Shown
+    return (
+        json_dumps(list(args or ()), cls=cls, separators=(",", ":")),
+        json_dumps(dict(kwargs or {}), cls=cls, separators=(",", ":")),
+    )
 
 
 def build(

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from celery import Celery
 from kombu.exceptions import OperationalError as KombuOperationalError
+from kombu.utils.json import loads as json_loads
 
 from . import _message, notify
 from ._broker import PUBLISH_RETRY
@@ -107,8 +108,8 @@ def _send_legacy(app: Celery, row: Publishable, retry: bool) -> None:
     options: dict[str, Any] = json.loads(row.options) if row.options else {}
     app.send_task(
         row.name,
-        args=json.loads(row.args or "[]"),
-        kwargs=json.loads(row.kwargs) if row.kwargs else {},
+        args=json_loads(row.args or "[]"),
+        kwargs=json_loads(row.kwargs) if row.kwargs else {},
         task_id=row.id,
         retries=row.retries,
         countdown=row.countdown,

@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
@@ -33,14 +34,15 @@ from celery import Celery
 from celery import result as _result
 from celery.result import AsyncResult
 from celery.utils import uuid
+from kombu.exceptions import EncodeError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import _message
 from ._crashpoints import crash_point
-from ._execution import encode
-from ._limits import check_submission
+from ._limits import check_arguments_size, check_submission
 from ._runtime import Runtime, runtime
 from .config import LeaseConfig
+from .exceptions import InvalidSubmissionValue, NotSerializable
 from .store import Lease, LeaseOptions, NewTask, dumps
 
 #: apply_async options kept in the row so that a re-published message is routed the same way.
@@ -77,17 +79,17 @@ def prepare(
 ) -> tuple[NewTask, _message.Outgoing]:
     """The row and the message of one submission, nothing written or sent yet.
 
-    The arguments are encoded and checked against the documented limits first (a naive
-    ``eta`` is in the app's timezone, as Celery's worker reads it), so a bad submission
-    raises before Celery builds anything.
+    The ids and the schedule are checked against the documented limits first (a naive
+    ``eta`` is in the app's timezone, as Celery's worker reads it); then Celery builds
+    the message, serialized with the task's serializer as Celery would send it, and the
+    row's ``args``/``kwargs`` show the arguments as that message carries them (JSON as
+    Celery's JSON serializer writes it).
 
     Raises:
-        NotSerializable: the arguments cannot be stored as JSON.
+        NotSerializable: the task's serializer refuses the arguments.
         InvalidSubmission: an argument is outside the documented limits.
     """
     config = runtime(task.app).config
-    args_text = encode(f"arguments of {task.name}", list(args or ()), argument="args")
-    kwargs_text = encode(f"keyword arguments of {task.name}", dict(kwargs or {}), argument="kwargs")
     eta = options.get("eta")
     if isinstance(eta, datetime) and eta.tzinfo is None:
         eta = eta.replace(tzinfo=task.app.timezone)
@@ -95,15 +97,26 @@ def prepare(
         task_name=task.name,
         task_id=task_id,
         dedup_key=dedup_key,
-        args_text=args_text,
-        kwargs_text=kwargs_text,
         countdown=options.get("countdown"),
         eta=eta,
-        args_max_bytes=config.args_max_bytes,
     )
-    outgoing = _message.build(
-        task, args, kwargs, task_id, link, link_error, shadow, producer, **options
-    )
+    # Celery builds the message (nothing is sent) and its serializer is the judge of the
+    # arguments: what it accepts, the row accepts
+    try:
+        outgoing = _message.build(
+            task, args, kwargs, task_id, link, link_error, shadow, producer, **options
+        )
+        message = outgoing.stored()
+    except RecursionError:
+        raise _too_deep(task.name, args, kwargs) from None
+    except (EncodeError, TypeError, ValueError) as error:
+        if isinstance(error.__cause__, RecursionError):
+            raise _too_deep(task.name, args, kwargs) from None
+        serializer = outgoing.calls[0][1].get("serializer") or task.app.conf.task_serializer
+        cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
+        raise NotSerializable(f"arguments of {task.name}", cause, str(serializer)) from error
+    args_text, kwargs_text = _message.arguments_text(*outgoing.arguments())
+    check_arguments_size(task.name, args_text, kwargs_text, config.args_max_bytes)
     routing: dict[str, Any] = {}
     for key in _ROUTING_OPTIONS:
         value = options.get(key)
@@ -120,9 +133,25 @@ def prepare(
         dedup_key=dedup_key,
         countdown=when.countdown,
         eta=when.eta,
-        message=outgoing.stored(),
+        message=message,
     )
     return new, outgoing
+
+
+def _too_deep(task_name: str, args: Any, kwargs: Any) -> InvalidSubmissionValue:
+    """The arguments are nested deeper than a serializer can go (a ``RecursionError``)."""
+    argument = "kwargs"
+    try:
+        _message.arguments_text(args, {}, exact=True)
+    except RecursionError:
+        argument = "args"
+    except (TypeError, ValueError):
+        pass
+    return InvalidSubmissionValue(
+        argument,
+        f"{argument} of {task_name} cannot be stored: nested deeper than JSON can store "
+        f"(about {sys.getrecursionlimit()})",
+    )
 
 
 def submit(

@@ -30,11 +30,17 @@ class MissingDependencyError(ConfigurationError, ImportError):
 
 
 class NotSerializable(CeleryLeaseError, TypeError):
-    """A value (task arguments, a step result, a progress cursor) cannot be stored as JSON."""
+    """A value cannot be stored: task arguments the task's serializer refuses (as plain
+    Celery would at publish), a step result or a progress cursor that is not JSON."""
 
-    def __init__(self, what: str, error: Exception) -> None:
+    def __init__(self, what: str, error: Exception, serializer: str | None = None) -> None:
         self.what = what
-        super().__init__(f"{what} cannot be stored as JSON: {error}")
+        #: The Celery serializer that refused the arguments (``None``: a JSON value).
+        self.serializer = serializer
+        if serializer is None:
+            super().__init__(f"{what} cannot be stored as JSON: {error}")
+        else:
+            super().__init__(f"{what} cannot be serialized with {serializer!r}: {error}")
 
 
 class DuplicateStep(CeleryLeaseError, ValueError):

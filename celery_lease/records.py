@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from datetime import datetime
 from typing import Any
+
+from kombu.utils.json import loads as json_loads
 
 from .states import State
 
@@ -111,5 +112,6 @@ class WorkerRecord:
 
 
 def loads(value: str | None) -> Any:
-    """Decode a stored JSON column (``None`` stays ``None``)."""
-    return None if value is None else json.loads(value)
+    """Decode a stored JSON column (``None`` stays ``None``); arguments written by
+    Celery's JSON encoder come back typed (datetimes, UUIDs, decimals, bytes)."""
+    return None if value is None else json_loads(value)
