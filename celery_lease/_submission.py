@@ -185,7 +185,10 @@ def submit(
     if connection is None and dedup_key is None:
         batch = collecting(task.app)
         if batch is not None:  # inside celery_lease.bulk(): written when the block ends
-            batch.add(new, outgoing, producer)
+            # a producer given here is the caller's for this call only (Celery's group
+            # loop gives its pooled producer back before the block ends): the block
+            # publishes on one of its own
+            batch.add(new, outgoing)
             return outgoing.result
     if connection is not None:
         from ._outbox import submit_in_transaction
@@ -267,7 +270,6 @@ class Replaced:
 class _Pending:
     new: NewTask
     outgoing: _message.Outgoing
-    producer: Any
 
 
 class _Batch:
@@ -277,8 +279,8 @@ class _Batch:
         self.app = app
         self.items: list[_Pending] = []
 
-    def add(self, new: NewTask, outgoing: _message.Outgoing, producer: Any = None) -> None:
-        self.items.append(_Pending(new, outgoing, producer))
+    def add(self, new: NewTask, outgoing: _message.Outgoing) -> None:
+        self.items.append(_Pending(new, outgoing))
 
     def commit(self, replaced: Replaced | None = None) -> list[Submitted] | None:
         """Write every row (multi-row statements), then publish the created ones.
