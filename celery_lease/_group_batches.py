@@ -42,7 +42,7 @@ def install(leased: type) -> None:
 
     @functools.wraps(original)
     def apply_async(self: group, *args: Any, **kwargs: Any) -> Any:
-        app = self.app
+        app = _resolved(self.app)
         if _batched(app, self.tasks, leased):
             with bulk(app):
                 return original(self, *args, **kwargs)
@@ -50,6 +50,14 @@ def install(leased: type) -> None:
 
     setattr(apply_async, _MARK, True)
     setattr(group, "apply_async", apply_async)  # noqa: B010 (mypy refuses assigning a method)
+
+
+def _resolved(app: Any) -> Celery:
+    """The app itself, not Celery's ``current_app`` proxy: a group whose signatures were
+    rebuilt from dicts has the proxy as its app, and a ``bulk()`` block and the app's
+    runtime are keyed by the app object."""
+    current: Any = getattr(app, "_get_current_object", None)
+    return current() if current is not None else app  # type: ignore[no-any-return]
 
 
 def _batched(app: Celery, tasks: Iterable[Any], leased: type) -> bool:
