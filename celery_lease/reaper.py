@@ -217,7 +217,10 @@ def reap(app: Celery, actor: str | None = None) -> ReapReport:
     return Reaper(app, actor).sweep()
 
 
-@shared_task(name="celery_lease.reap", bind=True, ignore_result=True)
+# ``base``: the sweep is a plain task in every app, also in one whose ``task_cls`` is
+# LeasedTask; and naming it keeps the app's ``Task`` (which, for
+# ``task_cls="celery_lease:LeasedTask"``, imports this package) out of this import
+@shared_task(name="celery_lease.reap", bind=True, ignore_result=True, base=Task)
 def reap_task(self: Task[[], dict[str, int]]) -> dict[str, int]:
     """The beat entry: one sweep, run by whichever worker takes the message, for the
     app that runs it (``self.app``: the worker's own app, never a proxy of it)."""
