@@ -1,0 +1,35 @@
+"""Celery's own integration suite with every task leased (``scripts/celery_suite.py``).
+
+This module holds the two lists the comparison is judged by, reviewed like code:
+
+* :data:`REVIEWED`: the tests that cannot give the same outcome leased, by design,
+  each with its reason. A test that passes plain and fails leased and is not here is
+  a defect of celery-lease until shown otherwise. The list stays short.
+* :data:`CI_SUBSET`: the tests CI runs (the whole suite takes about 20 minutes plain):
+  at least one per area where a leased run differed, plus a few plain canvas shapes.
+"""
+
+from __future__ import annotations
+
+#: The suite's files the script runs by default (Celery's canvas, tasks and inspect
+#: tests: every task shape and the worker's remote control).
+SUITE_FILES = (
+    "t/integration/test_canvas.py",
+    "t/integration/test_tasks.py",
+    "t/integration/test_inspect.py",
+)
+
+#: Test id (as ``scripts/celery_suite.py`` prints it) -> why its outcome differs by design.
+REVIEWED: dict[str, str] = {}
+
+#: Test ids CI runs, plain and leased (pytest node ids inside the unpacked sdist).
+CI_SUBSET = (
+    # arguments Celery's JSON serializer accepts (datetime, UUID, pydantic models)
+    "t/integration/test_tasks.py::test_tasks::test_pydantic_model_arguments",
+    # a group containing a chord; a plain chain, group and chord
+    "t/integration/test_canvas.py::test_chain::test_simple_chain",
+    "t/integration/test_canvas.py::test_group::test_parent_ids",
+    "t/integration/test_canvas.py::test_chord::test_simple_chord_with_a_delay_in_group_save",
+    # a group whose app is the current_app proxy (a group led by an empty chain)
+    "t/integration/test_canvas.py::test_group::test_group_with_empty_chain_members",
+)

@@ -1,0 +1,68 @@
+"""Celery's own integration suite, plain and with every task leased: the CI subset.
+
+``scripts/celery_suite.py --subset ci`` fetches the sdist of the installed Celery
+version with pip (as a new user's machine can; cached), runs the subset of Celery's
+``t/integration`` tests listed in ``tests/celery_suite/__init__.py`` plain and leased
+(``task_cls="celery_lease:LeasedTask"``), and compares every test's outcome. Here: on
+Redis with both stores and on RabbitMQ (Redis result backend) with SQLite. The whole
+suite is the script's job; its figures are in docs/what-stays-the-same.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.celery_suite import CI_SUBSET
+
+from ..helpers import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tmp_path: Path, name: str, *args: str) -> dict[str, object]:
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "celery_suite.py"),
+            "--subset",
+            "ci",
+            "--work",
+            str(tmp_path / name),
+            "--json",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.exists(), done.stdout + done.stderr
+    summary: dict[str, object] = json.loads(out.read_text())
+    assert done.returncode == 0, done.stdout + done.stderr
+    return summary
+
+
+@pytest.mark.postgres
+def test_the_ci_subset_of_celerys_suite_has_the_same_outcomes_leased(
+    tmp_path: Path, redis_url: str, amqp_url: str, pg_url: str
+) -> None:
+    services = ["--redis-url", redis_url, "--amqp-url", amqp_url, "--pg-url", pg_url]
+    on_redis = _run(
+        tmp_path, "redis", "--broker", "redis", "--store", "sqlite,postgresql", *services
+    )
+    on_amqp = _run(tmp_path, "amqp", "--broker", "amqp", "--store", "sqlite", *services)
+    for summary in (on_redis, on_amqp):
+        assert summary["regressions"] == []
+        runs = summary["runs"]
+        assert isinstance(runs, list)
+        for run in runs:
+            # every test of the subset ran in every run (a run that collected nothing, or
+            # a test id that no longer exists, would compare clean)
+            assert set(run["outcomes"]) == set(CI_SUBSET), run["label"]
+            assert set(run["outcomes"].values()) <= {"passed", "skipped", "xfailed"}, run
