@@ -73,7 +73,7 @@ def test_submissions_outside_the_limits_are_refused_alike_on_every_store(
     assert too_large.value.limit == LIMIT and too_large.value.size == LIMIT + len('[""]{}')
     assert "lease_args_max_bytes" in str(too_large.value)
     with pytest.raises(ArgumentsTooLarge) as too_large:
-        work.apply_async(("k",), {"gate": None, "key": over})
+        work.apply_async((), {"gate": None, "key": over})
     assert too_large.value.argument == "kwargs"
     # nested deeper than the encoder goes: a RecursionError before
     deep: list[Any] = []
