@@ -36,6 +36,7 @@ from celery.result import AsyncResult
 from celery.utils import uuid
 from kombu.exceptions import EncodeError
 from kombu.exceptions import OperationalError as KombuOperationalError
+from kombu.serialization import dumps as kombu_dumps
 
 from . import _message
 from ._crashpoints import crash_point
@@ -112,9 +113,10 @@ def prepare(
     except (EncodeError, TypeError, ValueError) as error:
         if isinstance(error.__cause__, RecursionError):
             raise _too_deep(task.name, args, kwargs) from None
-        serializer = outgoing.calls[0][1].get("serializer") or task.app.conf.task_serializer
+        serializer = str(outgoing.calls[0][1].get("serializer") or task.app.conf.task_serializer)
         cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
-        raise NotSerializable(f"arguments of {task.name}", cause, str(serializer)) from error
+        what = _refused(outgoing, serializer) or "arguments"
+        raise NotSerializable(f"{what} of {task.name}", cause, serializer) from error
     args_text, kwargs_text = _message.arguments_text(*outgoing.arguments())
     check_arguments_size(task.name, args_text, kwargs_text, config.args_max_bytes)
     routing: dict[str, Any] = {}
@@ -152,6 +154,20 @@ def _too_deep(task_name: str, args: Any, kwargs: Any) -> InvalidSubmissionValue:
         f"{argument} of {task_name} cannot be stored: nested deeper than JSON can store "
         f"(about {sys.getrecursionlimit()})",
     )
+
+
+def _refused(outgoing: _message.Outgoing, serializer: str) -> str | None:
+    """Which argument ``serializer`` refuses (``"argument 1"``, ``"keyword argument
+    'when'"``), found by encoding each alone; ``None`` if each alone is accepted."""
+    args, kwargs = outgoing.arguments()
+    named = [(f"argument {i}", v) for i, v in enumerate(args)]
+    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for name, value in named:
+        try:
+            kombu_dumps(value, serializer)
+        except Exception:
+            return name
+    return None
 
 
 def submit(

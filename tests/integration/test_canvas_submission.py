@@ -105,10 +105,11 @@ def test_an_argument_celery_refuses_is_refused_by_name_and_nothing_is_written(
 ) -> None:
     p = project
     describe = p.module.app.tasks["c.describe"]
-    with pytest.raises(NotSerializable, match=r"arguments of c\.describe") as caught:
+    with pytest.raises(NotSerializable, match=r"argument 1 of c\.describe") as caught:
         describe.delay(WHEN, object())
-    assert caught.value.what == "arguments of c.describe"
-    with pytest.raises(NotSerializable, match=r"arguments of c\.describe"):
+    assert caught.value.what == "argument 1 of c.describe"
+    assert caught.value.serializer == "json"
+    with pytest.raises(NotSerializable, match=r"keyword argument 'thing' of c\.describe"):
         describe.apply_async((), {"thing": object()})
     assert p.store.list_tasks(limit=10) == []
     assert queue_depth(broker_url, queue_name) == 0
