@@ -124,6 +124,10 @@ class Outgoing:
     calls: list[tuple[Any, dict[str, Any]]]
     #: What ``apply_async`` returned (an ``AsyncResult``, ``ignored`` set as Celery does).
     result: AsyncResult[Any]
+    #: The task message's body as :meth:`stored` serialized it (content type, encoding,
+    #: bytes): published as it is, so the body is encoded once and the broker gets the
+    #: very bytes the row holds.
+    payload: tuple[str, str | None, bytes] | None = None
 
     @property
     def headers(self) -> dict[str, Any]:
@@ -145,6 +149,8 @@ class Outgoing:
             content_type, content_encoding, payload = kombu_dumps(body, kw.get("serializer"))
         if isinstance(payload, str):
             payload = payload.encode(content_encoding or "utf-8")
+        if content_type is not None:
+            self.payload = (content_type, content_encoding, payload)
         # readable JSON in the row when the body is UTF-8 text; base64 otherwise
         text, b64 = base64.b64encode(payload).decode("ascii"), True
         if (content_encoding or "").lower().replace("-", "") == "utf8":
@@ -235,7 +241,11 @@ def send(app: Celery, outgoing: Outgoing, producer: Any = None, *, timeout: floa
     given up after about ``timeout`` seconds without an answer (see :mod:`._broker`)."""
     bounded = publish_options(timeout)
     with app.producer_or_acquire(producer) as P, P.connection._reraise_as_library_errors():
-        for body, kw in outgoing.calls:
+        for index, (body, kw) in enumerate(outgoing.calls):
+            if index == 0 and outgoing.payload is not None:
+                # serialized once, by stored(): a content type makes kombu send it as is
+                content_type, content_encoding, body = outgoing.payload
+                kw = {**kw, "content_type": content_type, "content_encoding": content_encoding}
             P.publish(body, **{**kw, **bounded})
 
 
