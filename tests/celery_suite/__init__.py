@@ -22,14 +22,19 @@ SUITE_FILES = (
 #: Test id (as ``scripts/celery_suite.py`` prints it) -> why its outcome differs by design.
 REVIEWED: dict[str, str] = {}
 
-#: Test ids CI runs, plain and leased (pytest node ids inside the unpacked sdist).
+#: Test ids CI runs, plain and leased (pytest node ids inside the unpacked sdist). The
+#: first four failed leased before their fix (measured with the script).
 CI_SUBSET = (
-    # arguments Celery's JSON serializer accepts (datetime, UUID, pydantic models)
+    # arguments Celery's JSON serializer accepts: pydantic models passed by the caller
     "t/integration/test_tasks.py::test_tasks::test_pydantic_model_arguments",
-    # a group containing a chord; a plain chain, group and chord
-    "t/integration/test_canvas.py::test_chain::test_simple_chain",
-    "t/integration/test_canvas.py::test_group::test_parent_ids",
-    "t/integration/test_canvas.py::test_chord::test_simple_chord_with_a_delay_in_group_save",
-    # a group whose app is the current_app proxy (a group led by an empty chain)
+    # a group whose app is the current_app proxy: led by an empty chain, or rebuilt
+    # from a deserialised chain
     "t/integration/test_canvas.py::test_group::test_group_with_empty_chain_members",
+    "t/integration/test_canvas.py::test_chain::test_chain_with_a_deserialised_chain_led_by_a_group",
+    # a group containing a chord (the batch's producer given back to the pool)
+    "t/integration/test_canvas.py::test_chain::test_header_failure_fails_the_chords_after_a_group_body",
+    # plain shapes around them: chords in a chain, a group body's link, a rebuilt chord
+    "t/integration/test_canvas.py::test_chain::test_chain_of_chords_with_two_tasks",
+    "t/integration/test_canvas.py::test_chord::test_link_option_on_group_body_runs_once",
+    "t/integration/test_canvas.py::test_signature_serialization::test_rebuild_nested_group_chord",
 )

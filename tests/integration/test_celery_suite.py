@@ -49,6 +49,7 @@ def _run(tmp_path: Path, name: str, *args: str) -> dict[str, object]:
 
 
 @pytest.mark.postgres
+@pytest.mark.timeout(1200)  # five pytest runs of Celery's suite, each with its own worker
 def test_the_ci_subset_of_celerys_suite_has_the_same_outcomes_leased(
     tmp_path: Path, redis_url: str, amqp_url: str, pg_url: str
 ) -> None:
