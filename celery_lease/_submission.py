@@ -111,7 +111,8 @@ def prepare(
     except RecursionError:
         raise _too_deep(task.name, args, kwargs) from None
     except (EncodeError, TypeError, ValueError) as error:
-        if isinstance(error.__cause__, RecursionError):
+        inner = (error.__cause__, error.__context__, *error.args)  # kombu wraps it
+        if any(isinstance(e, RecursionError) for e in inner):
             raise _too_deep(task.name, args, kwargs) from None
         serializer = str(outgoing.calls[0][1].get("serializer") or task.app.conf.task_serializer)
         cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
