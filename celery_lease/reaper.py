@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from celery import Celery, Task, shared_task
 
@@ -26,6 +27,8 @@ logger = logging.getLogger("celery_lease.reaper")
 
 #: Batches per sweep and kind: one sweep stays bounded; the next continues.
 MAX_BATCHES = 20
+
+R = TypeVar("R")
 
 
 @dataclasses.dataclass
@@ -107,17 +110,13 @@ class Reaper:
         # this sweep asks it nothing more: the rows wait for the next sweep
         self.publish_due(report)
         guard = backlog_guard(self.app, self.store.config.republish_after)
-        for _ in range(MAX_BATCHES):
-            if self._broker_down:
-                break
-            rows = self.store.take_unpublished()
+
+        def republish(rows: Sequence[Publishable]) -> tuple[int, int]:
             todo, held = guard.filter(self.store, rows)  # still queued: not lost
             report.held += held
-            ok, failed = self.publish(todo)
-            report.republished += ok
-            report.publish_failed += failed
-            if len(rows) < batch or failed:
-                break
+            return self.publish(todo)
+
+        report.republished += self._publish_batches(report, self.store.take_unpublished, republish)
         self.publish_follow_ups(report)
         self.store.add_counts({REPUBLISHED: report.republished})
         self.fold_transitions(report)  # before retention deletes audit rows (see _totals)
@@ -170,38 +169,52 @@ class Reaper:
 
     def publish_due(self, report: ReapReport | None = None) -> int:
         """Move due RETRY_WAIT rows to PENDING and publish them."""
-        if report is None:  # on its own, not a phase of a sweep: the broker is asked again
-            self._broker_down = False
-            report = ReapReport()
-        batch = self.store.config.reaper_batch_size
-        for _ in range(MAX_BATCHES):
-            if self._broker_down:
-                break
-            rows = self.store.take_due_retries(actor=self.actor)
-            ok, failed = self.publish(rows)
-            report.due += ok
-            report.publish_failed += failed
-            if len(rows) < batch or failed:
-                break
+        report = self._phase(report)
+        report.due += self._publish_batches(
+            report, lambda: self.store.take_due_retries(actor=self.actor), self.publish
+        )
         return report.due
 
     def publish_follow_ups(self, report: ReapReport | None = None) -> int:
         """Publish the follow-ups recorded with a success and not marked published
         after ``lease_publish_grace`` (chain, ``link`` callbacks, chord part-return)."""
-        if report is None:  # on its own, not a phase of a sweep: the broker is asked again
-            self._broker_down = False
-            report = ReapReport()
+        report = self._phase(report)
+        report.follow_ups += self._publish_batches(
+            report,
+            self.store.take_follow_ups,
+            lambda rows: _follow_ups.replay(self.app, self.store, rows),
+        )
+        return report.follow_ups
+
+    def _phase(self, report: ReapReport | None) -> ReapReport:
+        """The sweep's report, or a new one for a phase run on its own (not within a
+        sweep): then the broker is asked again, whatever an earlier phase found."""
+        if report is not None:
+            return report
+        self._broker_down = False
+        return ReapReport()
+
+    def _publish_batches(
+        self,
+        report: ReapReport,
+        take: Callable[[], Sequence[R]],
+        publish: Callable[[Sequence[R]], tuple[int, int]],
+    ) -> int:
+        """Take and publish batches of rows until one is short, one fails, the broker
+        failed or did not answer (in this sweep), or :data:`MAX_BATCHES`; the failures
+        go to ``report``. Returns how many were published."""
         batch = self.store.config.reaper_batch_size
+        sent = 0
         for _ in range(MAX_BATCHES):
             if self._broker_down:
                 break
-            rows = self.store.take_follow_ups()
-            ok, failed = _follow_ups.replay(self.app, self.store, rows)
-            report.follow_ups += ok
+            rows = take()
+            ok, failed = publish(rows)
+            sent += ok
             report.publish_failed += failed
             if len(rows) < batch or failed:
                 break
-        return report.follow_ups
+        return sent
 
     def publish(self, rows: Sequence[Publishable]) -> tuple[int, int]:
         """Publish PENDING rows' messages; rows left unpublished are retried after the grace."""

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Insert,
     Integer,
     Row,
+    Select,
     String,
     Table,
     Text,
@@ -202,6 +203,15 @@ class StoreBase:
     def _insert(self, table: Table) -> postgresql.Insert | sqlite.Insert:
         """INSERT with the dialect's ``ON CONFLICT`` clauses."""
         return (postgresql.insert if self.is_pg else sqlite.insert)(table)
+
+    def _take_ids(self, conn: Connection, q: Select[Any]) -> list[str]:
+        """The ids ``q`` (a SELECT of task ids) finds, for the caller's transaction to
+        take: on PostgreSQL the rows are locked ``FOR UPDATE SKIP LOCKED``, so a row
+        another transaction holds (a concurrent reaper's batch, a claim) is left for a
+        later batch, never waited for."""
+        if self.is_pg:
+            q = q.with_for_update(skip_locked=True)
+        return [str(r.id) for r in conn.execute(q).all()]
 
     def _prepared(self, key: Hashable, build: Callable[[], T]) -> T:
         """The statement stored under ``key``, built by ``build()`` the first time.

@@ -56,9 +56,7 @@ class FollowUpsMixin(StoreBase):
                 .order_by(t.c.follow_ups_at)
                 .limit(batch)
             )
-            if self.is_pg:
-                q = q.with_for_update(skip_locked=True)
-            ids = [r.id for r in conn.execute(q).all()]
+            ids = self._take_ids(conn, q)
             if not ids:
                 return []
             rows = conn.execute(

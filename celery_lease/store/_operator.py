@@ -152,9 +152,7 @@ class OperatorMixin(ReadsMixin, TombstonesMixin, TotalsMixin):
 
         def op(conn: Connection, _: bool) -> int:
             q = select(t.c.id).where(*self._purgeable_where(states_, older_than)).limit(batch)
-            if self.is_pg:
-                q = q.with_for_update(skip_locked=True)
-            ids = [r.id for r in conn.execute(q).all()]
+            ids = self._take_ids(conn, q)
             if ids:
                 # a late message of a purged row must not be adopted as a new task
                 conn.execute(self._tombstones(t.c.id.in_(ids)))

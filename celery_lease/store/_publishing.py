@@ -69,9 +69,7 @@ class PublishingMixin(PausesMixin):
                 .order_by(t.c.next_retry_at)
                 .limit(batch)
             )
-            if self.is_pg:
-                q = q.with_for_update(skip_locked=True)
-            ids = [r.id for r in conn.execute(q).all()]
+            ids = self._take_ids(conn, q)
             if not ids:
                 return []
             rows = self._move(
@@ -110,9 +108,7 @@ class PublishingMixin(PausesMixin):
                 .where(self._publishes())  # another broker's row: its own app publishes it
                 .limit(batch)
             )
-            if self.is_pg:
-                q = q.with_for_update(skip_locked=True)
-            ids = [r.id for r in conn.execute(q).all()]
+            ids = self._take_ids(conn, q)
             if not ids:
                 return []
             return self._reserve(conn, ids)

@@ -248,6 +248,7 @@ class ReadsMixin(StoreBase):
         return [
             t.c.state.in_([s.value for s in states_]),
             after(func.coalesce(t.c.finished_at, t.c.updated_at), older_than) < db_now(),
+            t.c.follow_ups_at.is_(None),  # kept until its follow-ups are published
         ]
 
     def purgeable_count(self, states_: Sequence[State], older_than: float) -> int:

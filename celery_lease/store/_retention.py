@@ -6,7 +6,8 @@ another transaction holds is left for the next batch, never waited for), their s
 audit rows and the rows themselves are deleted, and the ``purged`` counter is raised,
 all in one round trip. Live rows (PENDING, RUNNING, RETRY_WAIT, TIMEOUT, WAIT_MANUAL)
 are never chosen: the query names the finished states only, in the words of the
-partial index ``<prefix>tasks_finished`` so that every plan can use it. The audit
+partial index ``<prefix>tasks_finished`` so that every plan can use it; nor is a
+SUCCEEDED row whose follow-ups are recorded and not yet published. The audit
 rows it deletes that the reaper has not folded into the transition totals yet are
 added to the totals in the same statement (see ``_totals``), so a purge never lowers a
 counter.
@@ -77,6 +78,9 @@ class RetentionMixin(TombstonesMixin, TotalsMixin):
             .where(
                 text(FINISHED_SQL),
                 t.c.finished_at < after(db_now(), -bindparam("b_older", type_=Float)),
+                # a success whose follow-ups are not yet published is what the reaper
+                # publishes them from: kept until they are
+                t.c.follow_ups_at.is_(None),
             )
             # oldest first: the finished_at index drives the batch whatever share of the
             # table is old (a sequential scan would wade through the dead rows of the

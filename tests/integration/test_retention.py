@@ -98,6 +98,26 @@ def test_a_purged_dedup_key_can_be_submitted_again(store: Store) -> None:
     assert submit(store, dedup_key="export:42") != first
 
 
+def test_a_success_whose_follow_ups_are_unpublished_is_kept_until_they_are(store: Store) -> None:
+    # its row is what the reaper replays the chain, callbacks and chord part-return
+    # from: purged first, they would be lost for good (and the tombstone would drop
+    # their late message too)
+    task_id, lease, _ = running(store)
+    assert store.finish(lease, S.SUCCEEDED, actor="w", reason="ok", follow_ups=True)
+    plain = finished(store)
+    aged(store, [task_id, plain], 0.2)
+
+    assert store.purge_expired(0.1) == 1  # the one without follow-ups
+    assert store.purge(older_than=0.1, states_=[S.SUCCEEDED]) == 0
+    assert store.purgeable_count([S.SUCCEEDED], 0.1) == 0
+    record = store.get(task_id)
+    assert record is not None and record.follow_ups_at is not None
+
+    store.follow_ups_sent([task_id])
+    assert store.purge_expired(0.1) == 1
+    assert store.get(task_id) is None
+
+
 @pytest.mark.parametrize(
     "backend", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
 )
