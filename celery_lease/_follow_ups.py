@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -177,26 +178,49 @@ def finish(task: Any, store: Store, result: Any) -> None:
         )
 
 
-def replay(app: Celery, store: Store, rows: Sequence[FollowUps]) -> tuple[int, int]:
+def replay(
+    app: Celery, store: Store, rows: Sequence[FollowUps], *, budget: float | None = None
+) -> tuple[int, int]:
     """Publish the recorded follow-ups of these SUCCEEDED rows from their stored
     message and result, store the result in the result backend (with a chord member's
     part-return), and mark them published. Returns (done, failed); a failed row keeps
-    its mark and is taken again after ``lease_publish_grace``."""
+    its mark and is taken again after ``lease_publish_grace``.
+
+    A broker that fails or does not answer would fail every further row too, each
+    after its own publish timeout: the first such failure, or ``budget`` seconds spent
+    (after the first row), leaves the rest of the batch for a later sweep (counted as
+    failed), so a sweep never waits on the broker for more than about one bound."""
     done: list[str] = []
     failed = 0
-    for row in rows:
+    deadline = None if budget is None else time.monotonic() + budget
+    for index, row in enumerate(rows):
+        left = len(rows) - index
+        if index and deadline is not None and time.monotonic() >= deadline:
+            logger.warning(
+                "celery-lease: publishing follow-ups took longer than %g s: %d task(s) left "
+                "for the next sweep",
+                budget,
+                left,
+            )
+            failed += left
+            break
         try:
             _replay_one(app, row)
-        except Exception as error:
+        except ChordDispatchPending as error:  # this row only: the others go on
             failed += 1
+            logger.info("celery-lease: follow-ups of task %s[%s]: %s", row.name, row.id, error)
+            continue
+        except Exception as error:
+            failed += left
             logger.warning(
                 "celery-lease: follow-ups of task %s[%s] not published (%s): retried "
-                "after lease_publish_grace",
+                "after lease_publish_grace, with the %d after it in this batch",
                 row.name,
                 row.id,
                 error,
+                left - 1,
             )
-            continue
+            break
         done.append(row.id)
     if done:
         store.follow_ups_sent(done)

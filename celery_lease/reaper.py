@@ -182,7 +182,11 @@ class Reaper:
         report.follow_ups += self._publish_batches(
             report,
             self.store.take_follow_ups,
-            lambda rows: _follow_ups.replay(self.app, self.store, rows),
+            # bounded like one publish: expiry in the next sweep never waits for a
+            # batch of follow-ups going one by one to a broker that does not answer
+            lambda rows: _follow_ups.replay(
+                self.app, self.store, rows, budget=self.store.config.db_timeout
+            ),
         )
         return report.follow_ups
 

@@ -170,3 +170,42 @@ def test_a_chord_member_replayed_while_its_callback_is_claimed_waits_for_the_cla
     assert body.state is State.PENDING and body.args == [[0, 2]]
     assert p.get(members[1]).follow_ups_at is None
     assert redis.get(claim_key) == b"done"
+
+
+def test_a_replay_over_its_time_budget_leaves_the_rest_for_the_next_sweep(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    # the reaper's replay of a batch is bounded like one publish: past its budget (here
+    # 0 s, so only the first row is replayed), the rows left keep their marks and are
+    # counted as failed, and a later replay publishes them
+    p = lease_env.project(
+        broker_url=redis_url, source=PROJECT, settings={"result_backend": redis_url}
+    )
+    app = p.module.app
+    double, total = app.tasks["f.double"], app.tasks["f.total"]
+    chorded = chord(double.s(i) for i in range(3))(total.s())
+    members = [r.id for r in chorded.parent.results]
+    for i, task_id in enumerate(members):  # as their workers would write them
+        claim = p.store.claim(task_id, "w", "worker:w")
+        assert p.store.finish(
+            claim.lease,
+            State.SUCCEEDED,
+            actor="worker:w",
+            reason="ok",
+            result=str(2 * i),
+            follow_ups=True,
+        )
+
+    def rows(ids: list[str]) -> list[FollowUps]:
+        got = [p.get(task_id) for task_id in ids]
+        return [FollowUps(r.id, r.name, r.message, json.dumps(r.result), r.retries) for r in got]
+
+    assert _follow_ups.replay(app, p.store, rows(members), budget=0.0) == (1, 2)
+    assert p.get(members[0]).follow_ups_at is None
+    assert all(p.get(task_id).follow_ups_at is not None for task_id in members[1:])
+    assert p.store.get(chorded.id) is None  # one of three members counted: no callback yet
+    assert _follow_ups.replay(app, p.store, rows(members[1:]), budget=0.0) == (1, 1)
+    assert _follow_ups.replay(app, p.store, rows(members[2:])) == (1, 0)
+    body = p.get(chorded.id)  # the callback, published once with every result
+    assert body.state is State.PENDING and body.args == [[0, 2, 4]]
+    assert all(p.get(task_id).follow_ups_at is None for task_id in members)
