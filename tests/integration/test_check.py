@@ -160,7 +160,9 @@ def test_a_step_written_after_its_lease_was_lost(raw_store: Store) -> None:
     # the fenced write refuses now...
     fenced, _ = store.step_done(lease, "late", "2", idempotent=True)
     assert fenced is None
-    assert check(store) == []
+    # safety only: the expired task's retry comes due after a short backoff, and a
+    # liveness check run past it (a loaded machine) rightly reports retry_overdue
+    assert check(store, liveness=False) == []
     # ...a broken fence would have written it anyway
     with store.engine.begin() as conn:
         conn.execute(
@@ -187,7 +189,7 @@ def test_a_step_written_after_its_lease_was_lost(raw_store: Store) -> None:
                 finished_at=db_now(),
             )
         )
-    violations = check(store)
+    violations = check(store, liveness=False)
     assert kinds(violations) == {"step_outside_lease": 1, "step_unclaimed_attempt": 1}
     assert "'late'" in next(v.detail for v in violations if v.kind == "step_outside_lease")
 
