@@ -225,10 +225,12 @@ class LeaseConfig:
     #: Deliveries are claimed ahead only if expected to start within this many seconds
     #: (from the rate at which the worker starts tasks).
     claim_ahead_window: float = 1.0
-    #: Not a setting: the broker this app publishes to, its URL without the password
-    #: (from ``broker_url``; ``None``: not known). Every row and worker row records it,
+    #: The broker this app publishes to (``lease_origin``; default: its ``broker_url``
+    #: without the password, ``None``: not known). Every row and worker row records it,
     #: and a reaper publishes only the rows of its own broker, so apps on different
-    #: brokers can share one store and table prefix (see :func:`broker_origin`).
+    #: brokers can share one store and table prefix (see :func:`broker_origin`). Set it
+    #: alike in every process of an app whose processes reach one broker by different
+    #: addresses (a proxy, another host name).
     origin: str | None = None
 
     def __post_init__(self) -> None:
@@ -281,6 +283,10 @@ class LeaseConfig:
             raise ConfigurationError(
                 "lease_schema is for PostgreSQL only; on SQLite use lease_table_prefix"
             )
+        if self.origin is not None and not 0 < len(self.origin) <= 255:
+            raise ConfigurationError(
+                f"lease_origin must be 1 to 255 characters, got {len(self.origin)}"
+            )
         if not self.table_prefix.replace("_", "").isalnum():
             raise ConfigurationError(
                 "lease_table_prefix must be letters, digits and underscores, "
@@ -293,6 +299,7 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_database_url": ("database_url", str),
     "lease_table_prefix": ("table_prefix", str),
     "lease_schema": ("schema", str),
+    "lease_origin": ("origin", str),
     "lease_ttl": ("ttl", float),
     "lease_heartbeat_interval": ("heartbeat_interval", float),
     "lease_reaper_interval": ("reaper_interval", float),
@@ -400,6 +407,7 @@ def from_mapping(conf: Any) -> LeaseConfig:
         values[field] = _coerce(key, raw, kind)
     if "database_url" not in values and os.environ.get("CELERY_LEASE_DATABASE_URL"):
         values["database_url"] = os.environ["CELERY_LEASE_DATABASE_URL"]
-    with contextlib.suppress(KeyError, AttributeError):
-        values["origin"] = broker_origin(conf.get("broker_url"))
+    if "origin" not in values:
+        with contextlib.suppress(KeyError, AttributeError):
+            values["origin"] = broker_origin(conf.get("broker_url"))
     return LeaseConfig(**values)

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from celery import chain, chord, group
 
+from celery_lease.config import broker_origin
+
 from ..crash.faults import TcpProxy
 from ..crash.support import LeaseEnv
 from .support import (
@@ -376,7 +378,15 @@ def test_features_first_run_retry_lost_and_broker_down(
         # broker down: a producer of the same project whose broker refuses connections
         proxy = TcpProxy(broker_address(broker_url)).start()
         proxy.cut()
-        down = project(lease_env, via(broker_url, proxy.port), redis_url, ttl=LONG_TTL)
+        # the same broker by another address: lease_origin says so (without it the
+        # workers' reaper would leave its rows to a broker no worker uses)
+        down = project(
+            lease_env,
+            via(broker_url, proxy.port),
+            redis_url,
+            ttl=LONG_TTL,
+            origin=broker_origin(broker_url),
+        )
         down_sides = [Side(prefix, down.module) for prefix in ("p", "l")]
         refused = tagged(broker_down())
         for s in refused:

@@ -113,9 +113,17 @@ def test_retention_none_keeps_everything_and_unset_is_the_default():
         LeaseConfig(retention=0)
 
 
+def test_the_origin_is_the_broker_unless_lease_origin_names_it():
+    url = "redis://:secret@10.0.0.5:6379/0"
+    assert from_mapping({"broker_url": url}).origin == "redis://:**@10.0.0.5:6379/0"
+    named = {"broker_url": url, "lease_origin": "orders-redis"}
+    assert from_mapping(named).origin == "orders-redis"
+    with pytest.raises(ConfigurationError, match="lease_origin"):
+        from_mapping({"lease_origin": "x" * 256})
+
+
 def test_every_field_has_exactly_one_setting():
-    # origin is derived from broker_url, not a setting of its own
-    fields = {f.name for f in dataclasses.fields(LeaseConfig)} - {"origin"}
+    fields = {f.name for f in dataclasses.fields(LeaseConfig)}
     assert {key.removeprefix("lease_") for key in SETTINGS} == fields
     assert all(key.startswith("lease_") and key == key.lower() for key in SETTINGS)
 
