@@ -107,6 +107,11 @@ def prepare(
         outgoing = _message.build(
             task, args, kwargs, task_id, link, link_error, shadow, producer, **options
         )
+    except RecursionError:
+        raise _too_deep(task.name, args, kwargs) from None
+    # what Celery refuses while building, before any encoding (arguments that do not
+    # fit the task's signature, soft_time_limit over time_limit), is raised as it is
+    try:
         message = outgoing.stored()
     except RecursionError:
         raise _too_deep(task.name, args, kwargs) from None

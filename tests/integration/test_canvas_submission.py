@@ -55,6 +55,11 @@ def double(x):
 @app.task(base=LeasedTask, shared=False, name="c.total")
 def total(values):
     return sum(values)
+
+
+@app.task(base=LeasedTask, shared=False, name="c.limits", soft_time_limit=10, time_limit=5)
+def limits():
+    return 1
 """
 
 WHEN = datetime(2026, 12, 2, 7, 30, 15, 250000, tzinfo=timezone.utc)
@@ -117,6 +122,27 @@ def test_an_argument_celery_refuses_is_refused_by_name_and_nothing_is_written(
     accepted = describe.delay(WHEN)
     assert p.get(accepted.id).state is State.PENDING
     wait_until(lambda: queue_depth(broker_url, queue_name) == 1, message="one message queued")
+
+
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_what_celery_refuses_while_building_is_raised_as_celery_raises_it(
+    project: Any, broker_url: str, queue_name: str
+) -> None:
+    # arguments that do not fit the task's signature (Celery's typing check) and a soft
+    # time limit over the hard one: plain Celery raises TypeError and ValueError from
+    # apply_async; a leased task raises the same, and writes and sends nothing
+    p = project
+    double = p.module.app.tasks["c.double"]
+    with pytest.raises(TypeError, match="argument"):
+        double.delay()
+    with pytest.raises(TypeError):
+        double.delay(1, wrong=2)
+    with pytest.raises(ValueError, match="soft_time_limit must be less than or equal"):
+        p.module.app.tasks["c.limits"].delay()
+    assert p.store.list_tasks(limit=10) == []
+    assert queue_depth(broker_url, queue_name) == 0
+    accepted = double.delay(1)  # the check above can fail: this one is written
+    assert p.get(accepted.id).state is State.PENDING
 
 
 @pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)
