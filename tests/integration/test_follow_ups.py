@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import chain, chord
@@ -126,6 +127,26 @@ def test_a_resolved_task_sends_its_follow_ups_once(
     assert [r.args for r in p.store.list_tasks(limit=100) if r.name == "f.double"] == [[7]]
 
 
+def _chord_members_succeeded(p: Any, n: int) -> tuple[Any, list[str]]:
+    """A chord of ``n`` doubles whose members are recorded SUCCEEDED with follow-ups
+    (as their workers would write them), none published yet: (the chord, member ids)."""
+    app = p.module.app
+    double, total = app.tasks["f.double"], app.tasks["f.total"]
+    chorded = chord(double.s(i) for i in range(n))(total.s())
+    members = [r.id for r in chorded.parent.results]
+    for i, task_id in enumerate(members):
+        claim = p.store.claim(task_id, "w", "worker:w")
+        assert p.store.finish(
+            claim.lease,
+            State.SUCCEEDED,
+            actor="worker:w",
+            reason="ok",
+            result=str(2 * i),
+            follow_ups=True,
+        )
+    return chorded, members
+
+
 def test_a_chord_member_replayed_while_its_callback_is_claimed_waits_for_the_claim(
     lease_env: LeaseEnv, redis_url: str
 ) -> None:
@@ -137,19 +158,7 @@ def test_a_chord_member_replayed_while_its_callback_is_claimed_waits_for_the_cla
         broker_url=redis_url, source=PROJECT, settings={"result_backend": redis_url}
     )
     app = p.module.app
-    double, total = app.tasks["f.double"], app.tasks["f.total"]
-    chorded = chord(double.s(i) for i in range(2))(total.s())
-    members = [r.id for r in chorded.parent.results]
-    for i, task_id in enumerate(members):  # as their workers would write them
-        claim = p.store.claim(task_id, "w", "worker:w")
-        assert p.store.finish(
-            claim.lease,
-            State.SUCCEEDED,
-            actor="worker:w",
-            reason="ok",
-            result=str(2 * i),
-            follow_ups=True,
-        )
+    chorded, members = _chord_members_succeeded(p, 2)
 
     def replay(task_id: str) -> tuple[int, int]:
         r = p.get(task_id)
@@ -182,19 +191,7 @@ def test_a_replay_over_its_time_budget_leaves_the_rest_for_the_next_sweep(
         broker_url=redis_url, source=PROJECT, settings={"result_backend": redis_url}
     )
     app = p.module.app
-    double, total = app.tasks["f.double"], app.tasks["f.total"]
-    chorded = chord(double.s(i) for i in range(3))(total.s())
-    members = [r.id for r in chorded.parent.results]
-    for i, task_id in enumerate(members):  # as their workers would write them
-        claim = p.store.claim(task_id, "w", "worker:w")
-        assert p.store.finish(
-            claim.lease,
-            State.SUCCEEDED,
-            actor="worker:w",
-            reason="ok",
-            result=str(2 * i),
-            follow_ups=True,
-        )
+    chorded, members = _chord_members_succeeded(p, 3)
 
     def rows(ids: list[str]) -> list[FollowUps]:
         got = [p.get(task_id) for task_id in ids]
