@@ -98,12 +98,14 @@ def test_worker_with_a_skewed_clock_behaves_the_same(
         assert (claim.at - began.at).total_seconds() >= 0.3 - 0.01, (began, claim)
 
     # 2. live leases on both workers, swept by the skewed reaper for 3 TTLs: none expires
-    normal = p.worker("normal")
-    normal_id = p.incarnation(normal)
     gate = p.gates.hold("gate")
     with released(p.gates, gate):
+        # "s" is taken by the skewed worker before the normal one starts (two idle
+        # workers take a message in whichever order the broker serves them)
         on_skewed = p.submit("t.work", "s", gate)
         p.wait_count("start:s", 1)
+        normal = p.worker("normal")
+        normal_id = p.incarnation(normal)
         on_normal = p.submit("t.work", "n", gate)
         p.wait_count("start:n", 1)
         assert [e.payload for e in ext.effects("start:s")] == [skewed.nodename]
