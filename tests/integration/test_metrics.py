@@ -14,11 +14,12 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_lease import MissingDependencyError, State
+from celery_lease.store import Store
 from celery_lease import metrics as lease_metrics
 from celery_lease.cli import lease
 
 from ..helpers import WorkerProject, wait_until
-from .test_cli_support import Ops, free_port, ops_fixture  # noqa: F401
+from .test_cli_support import Ops, close_ops, free_port, make_ops, ops_fixture  # noqa: F401
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -41,11 +42,21 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def served(ops: Ops) -> Iterator[tuple[Ops, int]]:
+def served(
+    celery_project: Callable[..., WorkerProject],
+    make_store: Callable[..., Store],
+    redis_url: str,
+) -> Iterator[tuple[Ops, int]]:
+    """The metrics server on a project whose ``lease_ttl`` is an hour: a worker's
+    ``alive`` gauge compares its heartbeat with that setting, so with the suite's 1 s TTL
+    a slow moment between registering a worker and scraping would report it dead. The
+    zombie stays expired whatever the TTL: its incarnation is stopped."""
+    ops = make_ops(celery_project, make_store(ttl=3600), settings={"result_backend": redis_url})
     server = lease_metrics.serve(ops.app, port=0, addr="127.0.0.1")
     yield ops, int(server.server_address[1])
     server.shutdown()
     server.server_close()
+    close_ops(ops)
 
 
 def zombie(ops: Ops) -> str:
@@ -62,9 +73,7 @@ def test_metrics_over_http(served: tuple[Ops, int]) -> None:
     ops.wait_manual()
     ops.submit()  # pending
     zombie(ops)
-    # alive for the whole test: with the suite's 1 s TTL a slow moment between the two
-    # scrapes would turn it into a second zombie
-    ops.running(nodename="busy@ops-test", lease_ttl=3600)
+    ops.running(nodename="busy@ops-test")
 
     first = scrape(port)
 
