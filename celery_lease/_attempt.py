@@ -64,10 +64,11 @@ def deliver(task: LeasedTask, options: LeaseOptions, args: tuple[Any, ...], kwar
         )
     if not req.id:
         raise ConfigurationError(f"task {task.name}: a delivery without a task id")
+    delivery = _Delivery(task, rt, inc, options)
     try:
-        return _Delivery(task, rt, inc, options).run(args, dict(kwargs))
+        return delivery.run(args, dict(kwargs))
     except StoreError as error:
-        raise StoreDownDuringTask(str(error)) from error
+        raise StoreDownDuringTask(str(error), delivery.attempt) from error
 
 
 class _Delivery:
@@ -81,10 +82,13 @@ class _Delivery:
         self.options = options
         self.req = task.request
         self.task_id: str = str(self.req.id)
+        #: The attempt this delivery claimed (``None`` until its claim is known).
+        self.attempt: int | None = None
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ahead = claimed_ahead(self.req, self.inc, self.task_id, self.rt.config.claim_ahead)
         claim = ahead or self._claim(args, kwargs)
+        self.attempt = claim.lease.attempt
         inc = self.inc
         execution = Execution(
             store=self.store,

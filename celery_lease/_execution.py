@@ -51,14 +51,16 @@ class StoreDownDuringTask(Ignore):
     """The lease store failed while a delivery was claimed or ran (raised from the pool
     child). An ``Ignore`` to Celery, so nothing reports FAILURE for a task that will run
     again; the worker's main process sees it and expires the lease (or publishes the
-    delivery again) as soon as the database answers."""
+    delivery again) as soon as the database answers. ``attempt``: the attempt the
+    delivery had claimed (``None``: it had not, or the claim's outcome is unknown)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, attempt: int | None = None) -> None:
         self.reason = reason
+        self.attempt = attempt
         super().__init__(reason)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.reason,))
+        return (type(self), (self.reason, self.attempt))
 
 
 def _task_name() -> str | None:

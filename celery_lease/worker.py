@@ -7,6 +7,7 @@ sees pool children die or hit hard time limits, which expires their leases at on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -41,8 +42,21 @@ _services: AppRegistry[WorkerService] = AppRegistry()
 #: Serializes a service started on first use in an in-process worker (its threads).
 _start_lock = threading.Lock()
 
-#: An event for the service thread: (kind, task id, reason, tries so far).
-Event = tuple[str, str, str, int]
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What the main process tells the service thread about one task."""
+
+    kind: str  # "lost" (its execution ended without an outcome) or "revoked"
+    task_id: str
+    reason: str
+    #: The worker's fence recoveries when it was raised (see ``_expire_own``).
+    recoveries: int
+    #: The attempt that was lost, when the pool process knew it (it had claimed).
+    attempt: int | None = None
+    tries: int = 0
+
+
 #: Tries of an event that fails with something other than a database error.
 _EVENT_TRIES = 3
 #: Seconds a pool child may be gone, its task unreported by the pool, before the lease
@@ -78,6 +92,8 @@ class WorkerService:
         #: Claims ahead in batches (``lease_claim_ahead``), started with the worker.
         self.claimer: _claimer.Claimer | None = None
         self._events: queue.Queue[Event] = queue.Queue()
+        #: Times the worker recovered from a self-fence (each expired all it held).
+        self._fence_recoveries = 0
         self._gone_since: dict[LeasedRequest, float] = {}
         self._stopping = threading.Event()
         self.heartbeat = Heartbeat(
@@ -115,13 +131,14 @@ class WorkerService:
 
     # -- events from the main process (never block its event loop) ---------------------
 
-    def child_lost(self, task_id: str, reason: str) -> None:
-        """A pool child died or hit its hard time limit while running ``task_id``."""
-        self._events.put(("lost", task_id, reason, 0))
+    def child_lost(self, task_id: str, reason: str, attempt: int | None = None) -> None:
+        """An execution of ``task_id`` ended without an outcome (its pool child died, hit
+        its hard time limit, or lost the database); ``attempt`` if it had claimed."""
+        self._events.put(Event("lost", task_id, reason, self._fence_recoveries, attempt))
 
     def revoked(self, task_id: str, reason: str) -> None:
         """The worker discarded ``task_id`` (revoked or expired) before running it."""
-        self._events.put(("revoked", task_id, reason, 0))
+        self._events.put(Event("revoked", task_id, reason, self._fence_recoveries))
 
     def _handle(self, events: list[Event]) -> None:
         """Handle the events in order. A database error stops at the event it hit:
@@ -136,38 +153,53 @@ class WorkerService:
                     self._events.put(kept)
                 raise
             except Exception:
-                kind, task_id, reason, tries = event
-                if tries + 1 < _EVENT_TRIES:
+                if event.tries + 1 < _EVENT_TRIES:
                     logger.exception(
                         "celery-lease: %s event of task %s not handled yet (trying again)",
-                        kind,
-                        task_id,
+                        event.kind,
+                        event.task_id,
                     )
-                    self._events.put((kind, task_id, reason, tries + 1))
+                    self._events.put(dataclasses.replace(event, tries=event.tries + 1))
                 else:
                     logger.exception(
                         "celery-lease: %s event of task %s not handled after %d tries: "
                         "the reaper decides once its lease expires",
-                        kind,
-                        task_id,
+                        event.kind,
+                        event.task_id,
                         _EVENT_TRIES,
                     )
         self.reaper.publish_due()
 
     def _handle_one(self, event: Event) -> None:
-        kind, task_id, reason, _ = event
+        kind, task_id, reason = event.kind, event.task_id, event.reason
         inc = self.incarnation
         if kind == "lost":
             if self.outcomes is not None:
                 # the child may have handed its outcome over just before it died
                 self.outcomes.flush()
-            self.store.expire(
-                actor=inc.actor,
-                reason=reason,
-                task_ids=[task_id],
-                owners=[inc.id],
-                only_expired=False,
-            )
+            if event.recoveries == self._fence_recoveries:
+                # fenced by the attempt when known: kept while the database was away,
+                # the event may be handled after this task was recovered and claimed
+                # again by this very worker
+                self.store.expire(
+                    actor=inc.actor,
+                    reason=reason,
+                    task_ids=[task_id],
+                    owners=[inc.id],
+                    attempt=event.attempt,
+                    only_expired=False,
+                )
+            else:
+                # raised before the worker recovered from a self-fence (the event was
+                # kept while the database was away): that recovery expired every lease
+                # the worker held, this one with them, and the task may run again here
+                # by now; expiring "its" RUNNING row would cut that next execution short
+                logger.info(
+                    "task %s: lost before worker %s recovered from its fence, which "
+                    "expired that lease already",
+                    task_id,
+                    inc.nodename,
+                )
             # a child lost before its claim leaves a PENDING row whose message is gone
             _publisher.publish(self.rt.app, self.store, self.store.take_pending([task_id]))
         elif kind == "revoked":
@@ -252,7 +284,11 @@ class WorkerService:
                 self._stopping.wait(min(1.0, cfg.reaper_interval))
 
     def _expire_own(self, reason: str) -> None:
+        """Expire every lease this worker holds (its heartbeat lapsed past the TTL).
+        Counted first: a lost-execution event raised before this point is covered by
+        it and must not expire a later execution of the same task."""
         inc = self.incarnation
+        self._fence_recoveries += 1
         self.store.expire(
             actor=inc.actor, reason=reason, owners=[inc.id], only_expired=False, limit=10_000
         )
@@ -467,10 +503,11 @@ class LeasedRequest(Request):
     def _service(self) -> WorkerService | None:
         return _services.get(self.task.app)
 
-    def lease_lost(self, reason: str) -> bool:
+    def lease_lost(self, reason: str, attempt: int | None = None) -> bool:
         """Tell the lease, once per request, that its execution is lost (the pool's
         report and the service's backstop may both see it): ``False`` if told before.
-        Told twice, the second expiry could hit the task's next execution."""
+        Told twice, the second expiry could hit the task's next execution.
+        ``attempt``: the attempt the execution had claimed, when the pool process said."""
         with _lost_lock:
             if getattr(self, "_lease_told", False):
                 return False
@@ -478,7 +515,7 @@ class LeasedRequest(Request):
         task_ready(self)
         service = self._service()
         if service is not None:
-            service.child_lost(self.id, reason)
+            service.child_lost(self.id, reason, attempt)
         return True
 
     def _lease_decides(self, reason: str, *, worker_lost: bool = False) -> None:
@@ -510,7 +547,7 @@ class LeasedRequest(Request):
         ):
             lost = f"pool child terminated while running the task: {exc!r}"
         else:
-            why = None
+            why, attempt = None, None
             if isinstance(exc, Terminated):
                 # revoked with terminate: Celery reports REVOKED; the cancel request was
                 # recorded first (same queue, in order), so the expiry ends CANCELLED
@@ -522,13 +559,14 @@ class LeasedRequest(Request):
                 # it (the heartbeat is alive), and a claim that failed left its message
                 # consumed: expire / re-publish at once, retried until the database answers
                 why = f"lease store unavailable while the task ran: {getattr(exc, 'reason', exc)}"
+                attempt = getattr(exc, "attempt", None)
             if why is not None:
                 try:
                     return super().on_failure(
                         exc_info, send_failed_event=send_failed_event, return_ok=return_ok
                     )
                 finally:
-                    self.lease_lost(why)
+                    self.lease_lost(why, attempt)
         if lost is not None:
             return self._lease_decides(lost, worker_lost=not isinstance(exc, TimeLimitExceeded))
         return super().on_failure(

@@ -28,12 +28,14 @@ class ExpiryMixin(StoreBase):
         reason: str,
         task_ids: Sequence[str] | None = None,
         owners: Sequence[str] | None = None,
+        attempt: int | None = None,
         only_expired: bool = True,
         limit: int | None = None,
     ) -> list[Expiry]:
         """RUNNING -> TIMEOUT -> RETRY_WAIT (due now) or WAIT_MANUAL, per the policy.
 
-        Selects RUNNING rows (optionally only those of ``task_ids``/``owners``; with
+        Selects RUNNING rows (optionally only those of ``task_ids``/``owners``, and only
+        the execution of that ``attempt``, when the caller knows which one it lost; with
         ``only_expired``, only those whose owner's heartbeat is older than their TTL),
         at most ``limit`` (a batch), skipping rows another reaper holds.
 
@@ -56,6 +58,8 @@ class ExpiryMixin(StoreBase):
                 q = q.where(t.c.id.in_(task_ids))
             if owners is not None:
                 q = q.where(t.c.owner.in_(owners))
+            if attempt is not None:
+                q = q.where(t.c.attempt == attempt)
             if only_expired:
                 q = q.where(self._expired_condition())
             if self.is_pg:

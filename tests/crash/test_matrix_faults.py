@@ -361,11 +361,6 @@ def test_row13_database_unreachable_past_the_ttl_for_one_worker(lease_env: Lease
 
 
 @pg_only()
-@pytest.mark.xfail(
-    reason="open: since a fenced worker stops consuming, a fenced attempt was once "
-    "recovered with attempt 3 instead of 2 (one clean-clone CI run); cause not found",
-    strict=False,
-)
 def test_row13_database_unreachable_past_the_ttl_for_the_only_worker(lease_env: LeaseEnv) -> None:
     """No other worker: the cut-off worker recovers by itself once the database is back.
     Meanwhile it is fenced and consumes nothing: messages sent meanwhile wait in the
@@ -418,7 +413,10 @@ def test_row13_database_unreachable_past_the_ttl_for_the_only_worker(lease_env: 
         rec = p.get(task_id)
         assert rec.attempt == 2 and rec.recoveries == 1 and rec.owner == inc
         assert p.trail(task_id) == RECOVERED
-        assert p.store.history(task_id)[2].actor == "worker:w1@lease-test"
+        # recovered by this worker: by its heartbeat's own recovery, by its embedded
+        # reaper (whichever reaches the database first once it answers again), or by
+        # its main process handling the fenced attempt's end
+        assert p.store.history(task_id)[2].actor in {"worker:w1@lease-test", "reaper:w1@lease-test"}
         assert ext.count(f"start:{key}") == 2
         assert ext.count(f"done:{key}") == 1 and ext.calls(f"done:{key}") == 1
     # each message sent while the worker was fenced waited in the queue (counted above)

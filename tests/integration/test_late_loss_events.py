@@ -1,0 +1,99 @@
+"""A lost execution's event, handled late, never expires the task's next execution.
+
+When a pool process loses the database while its task runs, it tells the worker's main
+process, which expires that lease as soon as the database answers. The event may be
+kept for a while (the database is away), and meanwhile the task may be recovered (by
+the worker's own fence recovery or its embedded reaper) and claimed again by this very
+worker. Handled then, an expiry of "the task's RUNNING row owned by this worker" would
+cut that next execution short: a recovery too many (attempt 3 where 2 was right).
+
+Two fences keep it exact: the attempt the pool process had claimed travels with the
+event, and an event raised before the worker recovered from a self-fence is covered by
+that recovery. The service's event handling runs here in the test process, on a real
+store, with its threads not started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from celery_lease import State
+from celery_lease._runtime import runtime
+from celery_lease.store import Store
+from celery_lease.worker import Event, WorkerService
+
+from ..helpers import WorkerProject
+from .test_cli_support import Ops, close_ops, make_ops
+
+REASON = "lease store unavailable while the task ran: test"
+
+
+@pytest.fixture
+def service(
+    celery_project: Callable[..., WorkerProject],
+    make_store: Callable[..., Store],
+    redis_url: str,
+) -> Iterator[tuple[Ops, WorkerService]]:
+    # an hour's TTL: the worker's row stays alive with no heartbeat thread running
+    ops = make_ops(celery_project, make_store(ttl=3600), settings={"result_backend": redis_url})
+    svc = WorkerService(runtime(ops.app), "late@lease-test")
+    yield ops, svc
+    svc.store.stop_worker(svc.incarnation.id, "test over")
+    close_ops(ops)
+
+
+def _claim_again(ops: Ops, svc: WorkerService, task_id: str) -> int:
+    """Recover the task's current attempt the way the reaper does (expired, retried,
+    re-published) and claim the next one as the same worker: the new attempt."""
+    svc.store.expire(
+        actor="reaper:test", reason="lease expired", task_ids=[task_id], only_expired=False
+    )
+    svc.reaper.publish_due()
+    assert ops.store.get(task_id).state == State.PENDING
+    return ops.claim(task_id, (svc.incarnation.id, svc.incarnation.nodename)).attempt
+
+
+def test_a_late_event_with_its_attempt_expires_that_attempt_only(
+    service: tuple[Ops, WorkerService],
+) -> None:
+    ops, svc = service
+    inc = svc.incarnation
+    task_id = ops.submit()
+    first = ops.claim(task_id, (inc.id, inc.nodename)).attempt
+    late = Event("lost", task_id, REASON, recoveries=0, attempt=first)
+    second = _claim_again(ops, svc, task_id)
+    assert (first, second) == (1, 2)
+
+    svc._handle([late])
+    rec = ops.store.get(task_id)
+    assert (rec.state, rec.attempt, rec.recoveries) == (State.RUNNING, 2, 1)
+
+    # the event of the execution that runs now still expires it at once
+    svc._handle([Event("lost", task_id, REASON, recoveries=0, attempt=2)])
+    rec = ops.store.get(task_id)
+    assert (rec.state, rec.attempt, rec.recoveries) == (State.PENDING, 2, 2)
+
+
+def test_an_event_raised_before_a_fence_recovery_is_covered_by_it(
+    service: tuple[Ops, WorkerService],
+) -> None:
+    ops, svc = service
+    inc = svc.incarnation
+    task_id = ops.submit()
+    ops.claim(task_id, (inc.id, inc.nodename))
+    # its claim's outcome unknown to the pool process: no attempt in the event
+    late = Event("lost", task_id, REASON, recoveries=0, attempt=None)
+    svc._expire_own("heartbeat lapsed past the TTL")  # the fence recovery: attempt 1 goes
+    svc.reaper.publish_due()
+    assert ops.store.get(task_id).state == State.PENDING
+    assert ops.claim(task_id, (inc.id, inc.nodename)).attempt == 2
+
+    svc._handle([late])
+    rec = ops.store.get(task_id)
+    assert (rec.state, rec.attempt, rec.recoveries) == (State.RUNNING, 2, 1)
+
+    # an event raised after the recovery, attempt unknown, expires what runs now
+    svc._handle([Event("lost", task_id, REASON, recoveries=1, attempt=None)])
+    assert ops.store.get(task_id).state == State.PENDING
