@@ -13,7 +13,7 @@ reserved beyond that wait in the worker. A row claimed ahead is RUNNING from its
 claim, while its delivery waits for a pool process. So only the deliveries that
 start next are claimed ahead: one round of them (as many as there are pool
 processes, which take them as the running tasks end), and beyond that as many as
-this worker starts within ``lease_claim_ahead_window`` seconds at its recent rate.
+this worker starts within ``claim_ahead_window`` (1 s) at its recent rate.
 What that wait changes:
 
 - tasks with ``max_runtime`` (the wait would count against their limit) and tasks

@@ -14,9 +14,9 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_lease import MissingDependencyError, State
-from celery_lease.store import Store
 from celery_lease import metrics as lease_metrics
 from celery_lease.cli import lease
+from celery_lease.store import Store
 
 from ..helpers import WorkerProject, wait_until
 from .test_cli_support import Ops, close_ops, free_port, make_ops, ops_fixture  # noqa: F401
@@ -99,7 +99,7 @@ def test_metrics_over_http(served: tuple[Ops, int]) -> None:
 
     ops.admin.reap()  # the zombie: RUNNING -> TIMEOUT -> RETRY_WAIT -> PENDING
     # their audit rows go too: not yet folded into the totals (they are younger than
-    # lease_totals_settle), so the purge adds them to the totals as it deletes them
+    # the totals' settle time, 60 s), so the purge adds them to the totals as it deletes them
     assert ops.admin.purge(older_than=0) == 2
     second = scrape(port)
 
