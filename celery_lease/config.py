@@ -96,8 +96,8 @@ DEFAULT_RETENTION = 7 * 86400.0
 #: interval, for every row of the statement). The store also clamps to it, for rows an
 #: older version wrote unchecked.
 MAX_SECONDS = 10 * 365 * 86400.0
-#: Longest of the database waits (``lease_db_timeout``, ``lease_db_connect_timeout``,
-#: ``lease_sqlite_busy_timeout``): a day. Drivers take them as 32-bit milliseconds.
+#: Longest of the database waits (``lease_db_timeout`` and the connect timeout and SQLite
+#: lock wait derived from it): a day. Drivers take them as 32-bit milliseconds.
 MAX_DB_WAIT = 86400.0
 
 
