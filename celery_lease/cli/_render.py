@@ -59,27 +59,23 @@ def ago(then: datetime | None, now: datetime) -> str:
     return f"{span((now - then).total_seconds())} ago"
 
 
+#: The steps of :func:`span`: (below this many seconds, seconds per unit, unit, decimals).
+_COMPACT = ((10.0, 1.0, "s", 1), (120.0, 1.0, "s", 0), (7200.0, 60.0, "m", 0))
+_FIXED = ((1.0, 0.001, "ms", 0), (120.0, 1.0, "s", 1), (7200.0, 60.0, "m", 1))
+
+
 def span(seconds: float | None, *, fixed: bool = False) -> str:
     """A short human duration: ``0.4s``, ``12s``, ``5m``, ``3h05m``, ``2d4h`` (``"-"`` for
     none). ``fixed``: one decimal in a single unit, for columns of figures side by side
     (``400ms``, ``20.0s``, ``5.5m``, ``3.1h``)."""
     if seconds is None:
         return "-"
+    s = seconds if fixed else max(0.0, seconds)
+    for below, per_unit, unit, decimals in _FIXED if fixed else _COMPACT:
+        if s < below:
+            return f"{s / per_unit:.{decimals}f}{unit}"
     if fixed:
-        if seconds < 1:
-            return f"{seconds * 1000:.0f}ms"
-        if seconds < 120:
-            return f"{seconds:.1f}s"
-        if seconds < 7200:
-            return f"{seconds / 60:.1f}m"
-        return f"{seconds / 3600:.1f}h"
-    s = max(0.0, seconds)
-    if s < 10:
-        return f"{s:.1f}s"
-    if s < 120:
-        return f"{s:.0f}s"
-    if s < 7200:
-        return f"{s / 60:.0f}m"
+        return f"{s / 3600:.1f}h"
     if s < 172800:
         return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
     return f"{int(s // 86400)}d{int(s % 86400 // 3600)}h"
