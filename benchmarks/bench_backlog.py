@@ -85,7 +85,6 @@ def scenario(ctx: Context, broker: str, age_only: bool) -> dict[str, Any]:
             "lease_auto_migrate": True,
             "lease_republish_after": 2.0,
             "lease_reaper_interval": 1.0,
-            "lease_beat_reaper": False,
         }
         project = Project.write(ctx, broker_url=broker_url, settings=settings, source=SOURCE)
         module = project.load()

@@ -11,7 +11,7 @@
    claim of the attempt that retried (its PENDING -> RUNNING audit row: the task calls
    ``retry()`` at once) to the claim of the retry, in database time, p50 and p95 over
    the tasks; and from its RUNNING -> RETRY_WAIT row, which the worker's outcome writer
-   writes up to ``lease_outcome_flush_interval`` after the task asked. The writer
+   writes up to its flush interval (50 ms) after the task asked. The writer
    publishes the retry's message after that row, with what is left of its countdown.
 
     python benchmarks/bench_bulk.py [--quick]

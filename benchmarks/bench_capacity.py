@@ -93,7 +93,6 @@ def drain(ctx: Context, leased: bool, n: int) -> dict[str, Any]:
             "lease_database_url": PG_URL,
             "lease_schema": schema,
             "lease_auto_migrate": True,
-            "lease_beat_reaper": False,
             "worker_prefetch_multiplier": 4,
         }
         project = Project.write(

@@ -297,7 +297,7 @@ def run(ctx: Context) -> Section:
         f"worker, {retry:,} RETRY_WAIT of which {retry // 10:,} due, {pending:,} PENDING, the "
         f"rest terminal) and {total:,} audit rows, built set-based in {build_s:.1f} s "
         "(`INSERT ... SELECT ... generate_series`, then `VACUUM ANALYZE`). Batch size 100 "
-        "(`lease_reaper_batch_size`), broker Redis.",
+        "(the reaper's batch), broker Redis.",
         "",
         *table(
             ["measure", "value"],

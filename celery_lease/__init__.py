@@ -5,14 +5,14 @@ optional dedup key, per-step checkpoints and a heartbeat lease; a reaper moves
 tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
+# the deprecated submodule ``admin`` first: importing it binds ``celery_lease.admin`` to
+# the module, and the function must be bound after that, here, not by a later import
+from . import admin as _first_name_of_operations  # noqa: F401
 from ._runtime import install
 from ._submission import Submitted, bulk
-
-# through the submodule ``admin``: importing it binds ``celery_lease.admin`` to the
-# module, and the function must be bound after that, here, not by a later import
-from .admin import Admin, Stats, admin
 from .exceptions import (
     ArgumentsTooLarge,
+    CeleryLeaseDeprecationWarning,
     CeleryLeaseError,
     ConfigurationError,
     DuplicateStep,
@@ -33,6 +33,7 @@ from .exceptions import (
     TaskFailed,
     TaskNotFound,
 )
+from .operations import Admin, Stats, admin
 from .reaper import ReapReport, reap
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import TRANSITIONS, State
@@ -45,6 +46,7 @@ __all__ = [
     "TRANSITIONS",
     "Admin",
     "ArgumentsTooLarge",
+    "CeleryLeaseDeprecationWarning",
     "CeleryLeaseError",
     "ConfigurationError",
     "DuplicateStep",

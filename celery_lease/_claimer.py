@@ -13,7 +13,7 @@ reserved beyond that wait in the worker. A row claimed ahead is RUNNING from its
 claim, while its delivery waits for a pool process. So only the deliveries that
 start next are claimed ahead: one round of them (as many as there are pool
 processes, which take them as the running tasks end), and beyond that as many as
-this worker starts within ``lease_claim_ahead_window`` seconds at its recent rate.
+this worker starts within ``claim_ahead_window`` (1 s) at its recent rate.
 What that wait changes:
 
 - tasks with ``max_runtime`` (the wait would count against their limit) and tasks
@@ -46,11 +46,9 @@ import uuid
 import weakref
 from typing import Any
 
-from celery import Celery
 from celery.concurrency import prefork
 from celery.worker import state as worker_state
 
-from ._apps import AppRegistry
 from ._incarnation import Incarnation
 from ._runtime import Runtime
 from .exceptions import StoreError
@@ -71,9 +69,6 @@ _STRANDED_AFTER = 5.0
 
 #: Seconds over which the rate of starts is measured.
 _RATE_SPAN = 2.0
-
-#: The claimer of each app's worker main process.
-_claimers: AppRegistry[Claimer] = AppRegistry()
 
 QUEUED, ASKING, CLAIMED, UNCLAIMED = "queued", "asking", "claimed", "unclaimed"
 
@@ -381,11 +376,6 @@ def claimed_ahead(request: Any, inc: Incarnation, task_id: str, enabled: bool) -
     )
 
 
-def claimer_of(app: Celery) -> Claimer | None:
-    found = _claimers.get(app)
-    return None if found is None or found.closed else found
-
-
 def start_for(worker: Any, rt: Runtime, inc: Incarnation) -> Claimer | None:
     """Start the claimer of a worker that claims ahead: ``lease_claim_ahead`` set, a
     prefork pool driven by the worker's event loop. ``None`` for any other worker (its
@@ -402,7 +392,7 @@ def start_for(worker: Any, rt: Runtime, inc: Incarnation) -> Claimer | None:
             inc.nodename,
         )
         return None
-    claimer = _claimers[worker.app] = Claimer(rt, inc, hub, worker.concurrency or 1)
+    claimer = Claimer(rt, inc, hub, worker.concurrency or 1)
     # Before the consumer starts: Celery's request classes take the pool's apply_async,
     # and its task strategies the consumer's on_task_request, when they are made (at
     # the consumer's start).
@@ -425,4 +415,4 @@ def start_for(worker: Any, rt: Runtime, inc: Incarnation) -> Claimer | None:
     return claimer
 
 
-__all__ = ["CLAIM_KEY", "Claimer", "claimed_ahead", "claimer_of", "header", "start_for"]
+__all__ = ["CLAIM_KEY", "Claimer", "claimed_ahead", "header", "start_for"]

@@ -11,7 +11,7 @@ from ._execution import encode
 from ._runtime import default_actor
 from .exceptions import IllegalTransition, TaskNotFound
 from .pause import KINDS, Pause, PauseEvent
-from .states import State
+from .states import State, parse_state
 from .store import Filter
 
 if TYPE_CHECKING:
@@ -24,17 +24,6 @@ def _reason(reason: str) -> str:
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("a reason is required: say why, it goes into the audit trail")
     return reason.strip()
-
-
-def _parse_state(value: State | str) -> State:
-    if isinstance(value, State):
-        return value
-    try:
-        return State(value.strip().upper())
-    except ValueError:
-        raise ValueError(
-            f"unknown state {value!r}: one of {', '.join(s.value for s in State)}"
-        ) from None
 
 
 def _encode_result(result: Any) -> str | None:
@@ -203,7 +192,7 @@ class BulkOps:
         if older_than is not None and older_than < 0:
             raise ValueError("older_than must be a number of seconds >= 0")
         where = Filter(
-            state=None if state is None else _parse_state(state),
+            state=None if state is None else parse_state(state),
             name=name,
             reason_contains=reason_contains or None,
             worker=worker,

@@ -74,11 +74,6 @@ MAX_HAND_OVER = 256 * 1024
 _writers: AppRegistry[OutcomeWriter] = AppRegistry()
 
 
-def writer_for(app: Celery) -> OutcomeWriter | None:
-    """The outcome writer of this app's worker (inherited by its pool children)."""
-    return _writers.get(app)
-
-
 class OutcomeWriter:
     """The hand-over channel (both ends) and the writer thread of one worker.
 

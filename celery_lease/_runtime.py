@@ -24,7 +24,7 @@ from .store import Store
 
 #: The worker bootstep celery-lease adds (by path: the worker module sits above this one).
 WORKER_STEP = "celery_lease.worker:LeaseStep"
-#: The beat entry that runs the reaper (``lease_beat_reaper``).
+#: The beat entry that runs the reaper (it acts only where ``celery beat`` runs).
 BEAT_ENTRY = "celery-lease-reap"
 
 _install_lock = threading.Lock()
@@ -121,7 +121,7 @@ def install(app: Celery) -> Runtime:
 
     Called automatically when a ``LeasedTask`` binds to the app; call it yourself
     only to install before any leased task is defined. Adds the worker bootstep,
-    the beat entry for the reaper (``lease_beat_reaper``) and the signal handlers.
+    the beat entry for the reaper and the signal handlers.
     """
     rt = runtime(app)
     with _install_lock:
@@ -150,7 +150,7 @@ def _configured(app: Celery) -> None:
 
 def _add_beat_entry(app: Celery) -> None:
     cfg = _config.from_mapping(app.conf)
-    if cfg.beat_reaper and BEAT_ENTRY not in (app.conf.beat_schedule or {}):
+    if BEAT_ENTRY not in (app.conf.beat_schedule or {}):
         app.add_periodic_task(
             cfg.reaper_interval,
             app.signature("celery_lease.reap"),

@@ -11,10 +11,11 @@ import dataclasses
 import math
 import os
 import re
-from typing import Any
+import warnings
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, quote, quote_plus, unquote
 
-from .exceptions import ConfigurationError
+from .exceptions import CeleryLeaseDeprecationWarning, ConfigurationError
 
 #: The store when ``lease_database_url`` is not set: a SQLite file in the directory the
 #: process was started in (as Celery's own ``celerybeat-schedule``), resolved to an
@@ -95,8 +96,8 @@ DEFAULT_RETENTION = 7 * 86400.0
 #: interval, for every row of the statement). The store also clamps to it, for rows an
 #: older version wrote unchecked.
 MAX_SECONDS = 10 * 365 * 86400.0
-#: Longest of the database waits (``lease_db_timeout``, ``lease_db_connect_timeout``,
-#: ``lease_sqlite_busy_timeout``): a day. Drivers take them as 32-bit milliseconds.
+#: Longest of the database waits (``lease_db_timeout`` and the connect timeout and SQLite
+#: lock wait derived from it): a day. Drivers take them as 32-bit milliseconds.
 MAX_DB_WAIT = 86400.0
 
 
@@ -124,6 +125,71 @@ def check_seconds(
     return seconds
 
 
+#: Environment variable through which the project's tests (and only they) change the
+#: internal sizes and waits of :class:`Tuning` in every process of a test, worker
+#: subprocesses included: ``"reaper_batch_size=2,claim_interval=0.3"``. Not a setting:
+#: no compatibility is promised for it.
+TUNING_ENV = "CELERY_LEASE_TUNING"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The internal sizes and waits: constants, or derived from the settings a user
+    sets. None is a setting: each is read as an attribute of :class:`LeaseConfig`."""
+
+    #: Rows handled per reaper batch (each batch one short transaction, at most 20 a sweep).
+    reaper_batch_size: int = 100
+    #: Rows deleted per retention batch.
+    retention_batch_size: int = 1000
+    #: Audit ids folded into the transition totals per batch (at most 20 a sweep).
+    totals_batch_size: int = 50_000
+    #: An audit row is folded into the totals once a row at least as high is this many
+    #: seconds old: a transaction still open may commit a lower id than a fresh row.
+    totals_settle: float = 60.0
+    #: Audit ids above the totals' watermark a Prometheus scrape counts at most (about a
+    #: minute of transitions at 1,000 tasks a second); past it the scrape reports them.
+    metrics_tail_rows: int = 200_000
+    #: Most outcomes the worker's outcome writer puts in one statement.
+    outcome_batch_size: int = 100
+    #: Longest an outcome waits in the writer for others to share its statement.
+    outcome_flush_interval: float = 0.05
+    #: Outcomes the writer holds unwritten before the pool's hand-over waits.
+    outcome_buffer: int = 1000
+    #: Most deliveries one claim made ahead holds.
+    claim_batch_size: int = 100
+    #: Longest a delivery waits for others to share its claim made ahead.
+    claim_interval: float = 0.005
+    #: Deliveries beyond one round are claimed ahead only if expected to start within
+    #: this many seconds (from the rate at which the worker starts tasks).
+    claim_ahead_window: float = 1.0
+    #: Retries of a transaction after a transient database error (within the call's
+    #: ``lease_db_timeout``, which ends them sooner).
+    db_retries: int = 3
+    #: Longest opening one PostgreSQL connection may take (``None``: half of
+    #: ``lease_db_timeout``; libpq rounds up to at least 2 s).
+    db_connect_timeout: float | None = None
+    #: Seconds a SQLite writer waits for the file lock (``None``: three times
+    #: ``lease_db_timeout``, at most :data:`MAX_DB_WAIT`).
+    sqlite_busy_timeout: float | None = None
+
+    @classmethod
+    def from_env(cls, text: str | None = None) -> Tuning:
+        """The tuning :data:`TUNING_ENV` names (the defaults when it is not set)."""
+        text = os.environ.get(TUNING_ENV, "") if text is None else text
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, _, raw = item.partition("=")
+            name = name.strip()
+            if name not in kinds:
+                raise ConfigurationError(f"{TUNING_ENV}: no such tuning {name!r}")
+            try:
+                values[name] = (int if "int" in str(kinds[name]) else float)(raw)
+            except ValueError:
+                raise ConfigurationError(f"{TUNING_ENV}: {name} must be a number") from None
+        return cls(**values)
+
+
 @dataclasses.dataclass(frozen=True)
 class LeaseConfig:
     """Validated settings of one Celery app (seconds are floats; fractions allowed)."""
@@ -141,12 +207,8 @@ class LeaseConfig:
     heartbeat_interval: float = 5.0
     #: How often the reaper sweeps (beat entry and embedded reaper).
     reaper_interval: float = 5.0
-    #: Rows handled per reaper batch (each batch is one short transaction).
-    reaper_batch_size: int = 100
     #: Run the reaper inside every worker's main process, behind a database lock.
     embedded_reaper: bool = True
-    #: Register the reaper as a beat entry.
-    beat_reaper: bool = True
     #: A PENDING row published but not claimed for this long is published again (its
     #: message was lost); each further re-publish of the same row waits twice as long.
     republish_after: float = 60.0
@@ -167,35 +229,17 @@ class LeaseConfig:
     auto_migrate: bool = False
     #: SQLAlchemy connection pool size per process.
     pool_size: int = 5
-    #: Seconds a SQLite writer waits for the file lock.
-    sqlite_busy_timeout: float = 30.0
-    #: Backend statement retries for transient errors (connection lost) before giving up.
-    db_retries: int = 3
     #: Longest a store call may take, retries included: past it the call ends with
     #: ``StoreUnavailable`` (PostgreSQL: also the session's statement and lock timeouts).
     db_timeout: float = 10.0
-    #: Longest opening one PostgreSQL connection may take (libpq rounds up to >= 2 s).
-    db_connect_timeout: float = 5.0
     #: A worker started while the database is unreachable waits and retries, with
-    #: backoff, for up to ``db_startup_timeout`` seconds before it exits.
-    db_retry_on_startup: bool = True
+    #: backoff, for up to ``db_startup_timeout`` seconds before it exits (0: at once).
     db_startup_timeout: float = 60.0
     #: Seconds a SUCCEEDED, FAILED or CANCELLED row is kept after ``finished_at``; the
     #: reaper then deletes it with its steps and audit rows (and so frees its dedup
     #: key). ``None`` keeps every row. It must exceed the longest time a message can be
     #: redelivered (a Redis ``visibility_timeout``), or a late copy would run again.
     retention: float | None = DEFAULT_RETENTION
-    #: Rows deleted per retention batch (each batch is one short transaction).
-    retention_batch_size: int = 1000
-    #: Audit ids the reaper folds into the transition totals per batch (one transaction
-    #: reading one primary-key range; at most 20 batches a sweep).
-    totals_batch_size: int = 50_000
-    #: An audit row is folded into the totals once a row at least as high is this many
-    #: seconds old: a transaction still open may commit a lower id than a fresh row.
-    totals_settle: float = 60.0
-    #: Audit ids above the watermark a Prometheus scrape counts at most (a primary-key
-    #: range); past it the scrape reports the rows it left out instead of reading them.
-    metrics_tail_rows: int = 200_000
     #: Send Celery task events (task-timeout, task-wait-manual, ...) for the transitions
     #: Celery cannot see, for Flower and ``celery events``.
     send_events: bool = True
@@ -204,27 +248,12 @@ class LeaseConfig:
     #: Outcomes (SUCCEEDED, CANCELLED) are written by the pool process itself, one
     #: commit per task, instead of by the worker's outcome writer in batches.
     outcome_write_through: bool = False
-    #: Most outcomes the writer puts in one statement.
-    outcome_batch_size: int = 100
-    #: Longest an outcome waits in the writer for others to share its statement.
-    outcome_flush_interval: float = 0.05
-    #: Outcomes the writer holds unwritten before it stops reading more (the pool's
-    #: hand-over then blocks: a slow or unreachable database holds the pool back).
-    outcome_buffer: int = 1000
     #: A ``group(...).apply_async()`` (a chord's header too) with leased members writes
     #: their rows in multi-row statements, as inside ``celery_lease.bulk()``.
     batch_groups: bool = True
     #: A prefork worker's main process claims the deliveries it takes from the broker
     #: together in one statement, before the pool runs them (``celery_lease._claimer``).
     claim_ahead: bool = False
-    #: Most deliveries one claim made ahead holds.
-    claim_batch_size: int = 100
-    #: Longest a delivery waits for others to share its claim (only while the pool has
-    #: claimed deliveries it has not started: no pool process waits for it).
-    claim_interval: float = 0.005
-    #: Deliveries are claimed ahead only if expected to start within this many seconds
-    #: (from the rate at which the worker starts tasks).
-    claim_ahead_window: float = 1.0
     #: The broker this app publishes to (``lease_origin``; default: its ``broker_url``
     #: without the password, ``None``: not known). Every row and worker row records it,
     #: and a reaper publishes only the rows of its own broker, so apps on different
@@ -233,22 +262,19 @@ class LeaseConfig:
     #: addresses (a proxy, another host name).
     origin: str | None = None
 
+    _tuning: ClassVar[Tuning]
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "database_url", resolve_database_url(self.database_url))
+        object.__setattr__(self, "_tuning", Tuning.from_env())
         for key, seconds, zero, maximum in (
             ("lease_ttl", self.ttl, False, MAX_SECONDS),
             ("lease_heartbeat_interval", self.heartbeat_interval, False, MAX_SECONDS),
             ("lease_reaper_interval", self.reaper_interval, False, MAX_SECONDS),
             ("lease_republish_after", self.republish_after, False, MAX_SECONDS),
             ("lease_publish_grace", self.publish_grace, False, MAX_SECONDS),
-            ("lease_sqlite_busy_timeout", self.sqlite_busy_timeout, False, MAX_DB_WAIT),
             ("lease_db_timeout", self.db_timeout, False, MAX_DB_WAIT),
-            ("lease_db_connect_timeout", self.db_connect_timeout, False, MAX_DB_WAIT),
-            ("lease_db_startup_timeout", self.db_startup_timeout, False, MAX_SECONDS),
-            ("lease_totals_settle", self.totals_settle, True, MAX_SECONDS),
-            ("lease_outcome_flush_interval", self.outcome_flush_interval, True, MAX_SECONDS),
-            ("lease_claim_interval", self.claim_interval, True, MAX_SECONDS),
-            ("lease_claim_ahead_window", self.claim_ahead_window, True, MAX_SECONDS),
+            ("lease_db_startup_timeout", self.db_startup_timeout, True, MAX_SECONDS),
             ("lease_max_age", self.max_age, False, MAX_SECONDS),
             ("lease_max_runtime", self.max_runtime, False, MAX_SECONDS),
             ("lease_retention", self.retention, False, MAX_SECONDS),
@@ -261,24 +287,14 @@ class LeaseConfig:
                 f"lease_ttl ({self.ttl}), or every lease would look expired between heartbeats"
             )
         for key, ivalue in {
-            "lease_reaper_batch_size": self.reaper_batch_size,
             "lease_result_max_bytes": self.result_max_bytes,
             "lease_args_max_bytes": self.args_max_bytes,
             "lease_pool_size": self.pool_size,
-            "lease_retention_batch_size": self.retention_batch_size,
-            "lease_totals_batch_size": self.totals_batch_size,
-            "lease_outcome_batch_size": self.outcome_batch_size,
-            "lease_outcome_buffer": self.outcome_buffer,
-            "lease_claim_batch_size": self.claim_batch_size,
         }.items():
             if ivalue < 1:
                 raise ConfigurationError(f"{key} must be at least 1, got {ivalue!r}")
-        if self.metrics_tail_rows < 0:
-            raise ConfigurationError(
-                f"lease_metrics_tail_rows must be at least 0, got {self.metrics_tail_rows!r}"
-            )
-        if self.max_recoveries < 0 or self.db_retries < 0:
-            raise ConfigurationError("lease_max_recoveries and lease_db_retries must be >= 0")
+        if self.max_recoveries < 0:
+            raise ConfigurationError("lease_max_recoveries must be >= 0")
         if self.schema is not None and self.database_url.startswith("sqlite"):
             raise ConfigurationError(
                 "lease_schema is for PostgreSQL only; on SQLite use lease_table_prefix"
@@ -293,6 +309,83 @@ class LeaseConfig:
                 f"got {self.table_prefix!r}"
             )
 
+    # -- what is derived, not set ---------------------------------------------------------
+
+    def tuned(self, **changes: Any) -> LeaseConfig:
+        """This configuration with some of its :class:`Tuning` changed (the worker's
+        heartbeat bounds its own connection so; tests shrink batches so)."""
+        copy = dataclasses.replace(self)
+        object.__setattr__(copy, "_tuning", dataclasses.replace(self._tuning, **changes))
+        return copy
+
+    @property
+    def tuning(self) -> Tuning:
+        """The internal sizes and waits of this configuration."""
+        return self._tuning
+
+    @property
+    def db_retry_on_startup(self) -> bool:
+        """A starting worker waits for the database (``lease_db_startup_timeout`` > 0)."""
+        return self.db_startup_timeout > 0
+
+    @property
+    def db_connect_timeout(self) -> float:
+        found = self._tuning.db_connect_timeout
+        return self.db_timeout / 2 if found is None else found
+
+    @property
+    def sqlite_busy_timeout(self) -> float:
+        found = self._tuning.sqlite_busy_timeout
+        return min(self.db_timeout * 3, MAX_DB_WAIT) if found is None else found
+
+    @property
+    def db_retries(self) -> int:
+        return self._tuning.db_retries
+
+    @property
+    def reaper_batch_size(self) -> int:
+        return self._tuning.reaper_batch_size
+
+    @property
+    def retention_batch_size(self) -> int:
+        return self._tuning.retention_batch_size
+
+    @property
+    def totals_batch_size(self) -> int:
+        return self._tuning.totals_batch_size
+
+    @property
+    def totals_settle(self) -> float:
+        return self._tuning.totals_settle
+
+    @property
+    def metrics_tail_rows(self) -> int:
+        return self._tuning.metrics_tail_rows
+
+    @property
+    def outcome_batch_size(self) -> int:
+        return self._tuning.outcome_batch_size
+
+    @property
+    def outcome_flush_interval(self) -> float:
+        return self._tuning.outcome_flush_interval
+
+    @property
+    def outcome_buffer(self) -> int:
+        return self._tuning.outcome_buffer
+
+    @property
+    def claim_batch_size(self) -> int:
+        return self._tuning.claim_batch_size
+
+    @property
+    def claim_interval(self) -> float:
+        return self._tuning.claim_interval
+
+    @property
+    def claim_ahead_window(self) -> float:
+        return self._tuning.claim_ahead_window
+
 
 #: setting name on app.conf -> (field name, type)
 _FIELDS: dict[str, tuple[str, type]] = {
@@ -303,9 +396,7 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_ttl": ("ttl", float),
     "lease_heartbeat_interval": ("heartbeat_interval", float),
     "lease_reaper_interval": ("reaper_interval", float),
-    "lease_reaper_batch_size": ("reaper_batch_size", int),
     "lease_embedded_reaper": ("embedded_reaper", bool),
-    "lease_beat_reaper": ("beat_reaper", bool),
     "lease_republish_after": ("republish_after", float),
     "lease_publish_grace": ("publish_grace", float),
     "lease_max_recoveries": ("max_recoveries", int),
@@ -315,28 +406,14 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_args_max_bytes": ("args_max_bytes", int),
     "lease_auto_migrate": ("auto_migrate", bool),
     "lease_pool_size": ("pool_size", int),
-    "lease_sqlite_busy_timeout": ("sqlite_busy_timeout", float),
-    "lease_db_retries": ("db_retries", int),
     "lease_db_timeout": ("db_timeout", float),
-    "lease_db_connect_timeout": ("db_connect_timeout", float),
-    "lease_db_retry_on_startup": ("db_retry_on_startup", bool),
     "lease_db_startup_timeout": ("db_startup_timeout", float),
     "lease_retention": ("retention", float),
-    "lease_retention_batch_size": ("retention_batch_size", int),
-    "lease_totals_batch_size": ("totals_batch_size", int),
-    "lease_totals_settle": ("totals_settle", float),
-    "lease_metrics_tail_rows": ("metrics_tail_rows", int),
     "lease_send_events": ("send_events", bool),
     "lease_result_backend_sync": ("result_backend_sync", bool),
     "lease_outcome_write_through": ("outcome_write_through", bool),
-    "lease_outcome_batch_size": ("outcome_batch_size", int),
-    "lease_outcome_flush_interval": ("outcome_flush_interval", float),
-    "lease_outcome_buffer": ("outcome_buffer", int),
     "lease_batch_groups": ("batch_groups", bool),
     "lease_claim_ahead": ("claim_ahead", bool),
-    "lease_claim_batch_size": ("claim_batch_size", int),
-    "lease_claim_interval": ("claim_interval", float),
-    "lease_claim_ahead_window": ("claim_ahead_window", float),
 }
 
 SETTINGS: tuple[str, ...] = tuple(_FIELDS)
@@ -388,12 +465,57 @@ def broker_origin(broker_url: Any) -> str | None:
     return origin
 
 
+#: Settings that went away -> what replaced them. Still set, each gives a
+#: :class:`~celery_lease.CeleryLeaseDeprecationWarning` and has no other effect.
+DEPRECATED: dict[str, str] = {
+    "lease_reaper_batch_size": "a constant (100 rows per reaper transaction)",
+    "lease_retention_batch_size": "a constant (1000 rows per retention transaction)",
+    "lease_totals_batch_size": "a constant (50000 audit ids per totals transaction)",
+    "lease_totals_settle": "a constant (60 s)",
+    "lease_metrics_tail_rows": "a constant (200000 audit ids per scrape)",
+    "lease_outcome_batch_size": "a constant (100 outcomes per statement)",
+    "lease_outcome_flush_interval": "a constant (0.05 s)",
+    "lease_outcome_buffer": "a constant (1000 outcomes)",
+    "lease_claim_batch_size": "a constant (100 deliveries per claim)",
+    "lease_claim_interval": "a constant (0.005 s)",
+    "lease_claim_ahead_window": "a constant (1 s)",
+    "lease_db_retries": "a constant (3 retries, within lease_db_timeout)",
+    "lease_db_connect_timeout": "derived from lease_db_timeout (half of it)",
+    "lease_sqlite_busy_timeout": "derived from lease_db_timeout (three times it)",
+    "lease_db_retry_on_startup": (
+        "lease_db_startup_timeout (set it to 0 for a worker that exits at once)"
+    ),
+    "lease_beat_reaper": (
+        "always on (the celery-lease-reap entry acts only where celery beat runs, and is "
+        "safe beside the embedded reaper)"
+    ),
+}
+
+
+def warn_deprecated(conf: Any) -> None:
+    """A :class:`~celery_lease.CeleryLeaseDeprecationWarning` for each removed setting
+    ``conf`` still sets, naming what replaced it."""
+    for key, replacement in DEPRECATED.items():
+        try:
+            present = conf.get(key) is not None
+        except (KeyError, AttributeError):
+            present = False
+        if present:
+            warnings.warn(
+                f"{key} is no longer a setting and has no effect: it is now {replacement}",
+                CeleryLeaseDeprecationWarning,
+                # one place, so each setting's warning is shown once per process
+                stacklevel=1,
+            )
+
+
 def from_mapping(conf: Any) -> LeaseConfig:
     """Build a validated :class:`LeaseConfig` from a Celery ``app.conf`` (or any mapping).
 
     ``CELERY_LEASE_DATABASE_URL`` in the environment overrides an unset database URL,
     which lets the same project point at another store without code changes.
     """
+    warn_deprecated(conf)
     values: dict[str, Any] = {}
     for key, (field, kind) in _FIELDS.items():
         try:

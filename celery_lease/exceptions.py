@@ -214,3 +214,11 @@ class TaskCancelled(CeleryLeaseError):
         self.task_id = task_id
         self.reason = reason
         super().__init__(f"task {task_id} was cancelled" + (f": {reason}" if reason else ""))
+
+
+class CeleryLeaseDeprecationWarning(FutureWarning):
+    """A setting or a name that is going away; the message says what replaced it.
+
+    A :class:`FutureWarning`, so that Python shows it by default: a deprecated setting is
+    read deep inside the package, where a :class:`DeprecationWarning` would be hidden.
+    """

@@ -26,12 +26,13 @@ def renewal_config(config: LeaseConfig, ttl: float) -> LeaseConfig:
     least libpq's 2 s), so it reports the outage and tries again well within the TTL.
     """
     bound = min(config.db_timeout, ttl / 2)
-    return dataclasses.replace(
-        config,
-        db_timeout=bound,
-        db_connect_timeout=min(config.db_connect_timeout, bound),
-        sqlite_busy_timeout=min(config.sqlite_busy_timeout, bound),
-        pool_size=1,
+    own = dataclasses.replace(config, db_timeout=bound, pool_size=1)
+    return own.tuned(
+        **{
+            **dataclasses.asdict(config.tuning),
+            "db_connect_timeout": min(config.db_connect_timeout, bound),
+            "sqlite_busy_timeout": min(config.sqlite_busy_timeout, bound),
+        }
     )
 
 

@@ -43,7 +43,7 @@ PostgreSQL's planner estimates, so a scrape stays cheap however large the table 
 
 The transition counters are read from the transition totals the reaper keeps (settled
 audit rows folded in bounded batches, see ``celery_lease.store._totals``) plus the
-audit rows above their watermark, at most ``lease_metrics_tail_rows`` of them by
+audit rows above their watermark, at most 200,000 of them (``metrics_tail_rows``) by
 primary-key range: a scrape reads a handful of rows and a bounded tail whatever the
 size of the audit table, a fresh metrics process serves the same totals as an old one,
 and deleting audit rows (retention, ``lease purge``) never lowers a counter. When the
@@ -152,8 +152,8 @@ def _prometheus() -> Any:
 
 class TransitionTotals:
     """Monotonic transition counts: the reaper's folded totals plus a bounded tail of
-    the audit rows above their watermark (at most ``tail`` ids; default
-    ``lease_metrics_tail_rows``)."""
+    the audit rows above their watermark (at most ``tail`` ids; default the config's
+    ``metrics_tail_rows``)."""
 
     def __init__(self, tail: int | None = None) -> None:
         self.tail = tail

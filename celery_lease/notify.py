@@ -524,8 +524,8 @@ def attach(app: Celery, store: Store) -> Notifier | None:
         if isinstance(listener, Notifier) or listener is log_transitions:
             return find_notifier(store)
     store.listeners.append(log_transitions)
-    events = _setting(app, "lease_send_events", True)
-    backend = _setting(app, "lease_result_backend_sync", True)
+    events = store.config.send_events
+    backend = store.config.result_backend_sync
     if not (events or backend):
         return None
     notifier = Notifier(app, store, events=events, backend=backend)
@@ -545,13 +545,6 @@ def flush(store: Store, timeout: float = EXIT_TIMEOUT) -> bool:
     """Wait until ``store``'s notifier delivered everything queued (``True``: done)."""
     notifier = find_notifier(store)
     return True if notifier is None else notifier.flush(timeout)
-
-
-def _setting(app: Celery, key: str, default: bool) -> bool:
-    from .config import _coerce
-
-    value = app.conf.get(key)
-    return default if value is None else bool(_coerce(key, value, bool))
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The operator API: ``celery_lease.admin(app)`` returns an :class:`Admin`.
 
-(The module was first called ``celery_lease.admin``, a name that still imports; the
+(The module was first called ``celery_lease.admin``, a deprecated name that still imports; the
 Django admin site's integration is ``celery_lease.contrib.django``.)
 
 Every action is a transition checked against the one table, recorded with its
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,11 +21,11 @@ from . import _publisher
 from ._execution import encode
 from ._incident import BulkOps, PauseOps
 from ._runtime import default_actor, runtime
-from .exceptions import IllegalTransition, TaskNotFound
+from .exceptions import CeleryLeaseDeprecationWarning, IllegalTransition, TaskNotFound
 from .health import DURATION_SAMPLE, TaskHealth, percentile, snapshot, state_counts
 from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
-from .states import CANCELLABLE, RETRYABLE, State
+from .states import CANCELLABLE, RETRYABLE, State, parse_state
 from .store import Store
 
 #: States ``purge`` deletes by default: finished work nobody will act on.
@@ -97,6 +98,26 @@ class Stats:
         }
 
 
+class _DeprecatedName:
+    """A method's deprecated second name: the same function, read from the class; a
+    :class:`CeleryLeaseDeprecationWarning` naming the first, called on an instance."""
+
+    def __init__(self, name: str, replacement: str) -> None:
+        self.name = name
+        self.replacement = replacement
+
+    def __get__(self, instance: object, owner: type) -> Any:
+        if instance is None:
+            return getattr(owner, self.replacement)
+        warnings.warn(
+            f"{owner.__name__}.{self.name} is deprecated: call "
+            f"{owner.__name__}.{self.replacement}, the same method",
+            CeleryLeaseDeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(instance, self.replacement)
+
+
 class Admin(PauseOps, BulkOps):
     """Read and act on leased tasks of one app."""
 
@@ -157,9 +178,8 @@ class Admin(PauseOps, BulkOps):
             limit=limit,
         )
 
-    #: The first name of :meth:`tasks` (it shadows the builtin inside the class; kept,
-    #: since the public API is a contract).
-    list = tasks
+    #: Deprecated first name of :meth:`tasks` (it shadows the builtin inside the class).
+    list = _DeprecatedName("list", "tasks")
 
     def workers(self) -> builtins.list[WorkerRecord]:
         """Worker incarnations, newest first, with liveness and tasks owned."""
@@ -302,18 +322,6 @@ class Admin(PauseOps, BulkOps):
                 progress(n)
             if n < batch:
                 return total
-
-
-def parse_state(value: State | str) -> State:
-    """A :class:`State` from its name (any case); ``ValueError`` names the valid ones."""
-    if isinstance(value, State):
-        return value
-    try:
-        return State(value.strip().upper())
-    except ValueError:
-        raise ValueError(
-            f"unknown state {value!r}: one of {', '.join(s.value for s in State)}"
-        ) from None
 
 
 def _required(reason: str) -> str:

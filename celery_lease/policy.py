@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 from .states import State
 
 
@@ -43,31 +41,3 @@ def after_timeout(
             f"of {max_age:.0f} s",
         )
     return State.RETRY_WAIT, "lease expired: safe to retry, no step's outcome is unknown"
-
-
-def retry_delay(
-    *,
-    retries: int,
-    countdown: float | None,
-    default_delay: float,
-    backoff: bool | float,
-    backoff_max: float,
-    jitter: bool,
-    rng: random.Random | None = None,
-) -> float:
-    """Seconds to wait before retry number ``retries + 1``.
-
-    An explicit ``countdown`` wins; with ``retry_backoff`` the delay grows as
-    ``factor * 2**retries`` capped at ``retry_backoff_max``, with full jitter
-    when ``retry_jitter`` is set (Celery's own semantics); otherwise
-    ``default_retry_delay``.
-    """
-    if countdown is not None:
-        return max(0.0, float(countdown))
-    if backoff:
-        factor = 1.0 if backoff is True else float(backoff)
-        delay: float = min(float(backoff_max), factor * float(2**retries))
-        if jitter:
-            delay = float((rng or random).uniform(0, delay))
-        return max(0.0, delay)
-    return max(0.0, float(default_delay))

@@ -167,6 +167,18 @@ def is_legal(from_state: State | None, to_state: State) -> bool:
     return (from_state, to_state) in TRANSITIONS
 
 
+def parse_state(value: State | str) -> State:
+    """A :class:`State` from its name (any case); ``ValueError`` names the valid ones."""
+    if isinstance(value, State):
+        return value
+    try:
+        return State(value.strip().upper())
+    except ValueError:
+        raise ValueError(
+            f"unknown state {value!r}: one of {', '.join(s.value for s in State)}"
+        ) from None
+
+
 def check(from_state: State | None, to_state: State, task_id: str | None = None) -> None:
     """Raise :class:`~celery_lease.IllegalTransition` unless the table allows the change."""
     if not is_legal(from_state, to_state):
@@ -189,5 +201,6 @@ __all__ = [
     "action_sources",
     "check",
     "is_legal",
+    "parse_state",
     "sources",
 ]

@@ -434,10 +434,12 @@ class ConfigFactory:
     def is_pg(self) -> bool:
         return self.backend == "postgresql"
 
-    def __call__(self, **overrides: Any) -> LeaseConfig:
+    def __call__(self, *, tuning: dict[str, Any] | None = None, **overrides: Any) -> LeaseConfig:
+        """``tuning``: internal sizes and waits to change (see ``LeaseConfig.tuned``)."""
         values: dict[str, Any] = {**TEST_TIMINGS, "database_url": self.url, "schema": self.schema}
         values.update(overrides)
-        return LeaseConfig(**values)
+        config = LeaseConfig(**values)
+        return config.tuned(**tuning) if tuning else config
 
 
 @pytest.fixture

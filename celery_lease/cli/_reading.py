@@ -12,7 +12,7 @@ import click
 from ..exceptions import TaskNotFound
 from ..states import STEP_DONE, State, action_sources
 from ._common import _admin, _app_option, _color, _duration, handle_errors, json_option, lease
-from ._render import Table, _paint_state, _print_json, ago, span
+from ._render import TASK_HEADERS, Table, _paint_state, _print_json, ago, rate, span, task_rows
 
 
 @lease.command("list")
@@ -244,9 +244,6 @@ def stats(ctx: click.Context, window: float, as_json: bool) -> None:
         table.add(state.value, n)
     table.render(color)
 
-    def rate(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1%}"
-
     expired = str(snapshot.expired_unreaped)
     if snapshot.expired_unreaped:
         expired = click.style(expired + "  (is a reaper running?)", fg="red")
@@ -268,8 +265,6 @@ def stats(ctx: click.Context, window: float, as_json: bool) -> None:
     ):
         click.echo(f"{label:<22}{value}", color=color)
     if snapshot.tasks:
-        from .._cli_ops import TASK_HEADERS, task_rows
-
         click.echo("")
         per_task = Table(TASK_HEADERS, {})
         for row in task_rows(snapshot.tasks):

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from ..health import TaskHealth
 from ..states import State
 
 STATE_COLORS: dict[State, str] = {
@@ -58,20 +59,68 @@ def ago(then: datetime | None, now: datetime) -> str:
     return f"{span((now - then).total_seconds())} ago"
 
 
-def span(seconds: float | None) -> str:
-    """A short human duration: ``0.4s``, ``12s``, ``5m``, ``3h05m``, ``2d4h``."""
+#: The steps of :func:`span`: (below this many seconds, seconds per unit, unit, decimals).
+_COMPACT = ((10.0, 1.0, "s", 1), (120.0, 1.0, "s", 0), (7200.0, 60.0, "m", 0))
+_FIXED = ((1.0, 0.001, "ms", 0), (120.0, 1.0, "s", 1), (7200.0, 60.0, "m", 1))
+
+
+def span(seconds: float | None, *, fixed: bool = False) -> str:
+    """A short human duration: ``0.4s``, ``12s``, ``5m``, ``3h05m``, ``2d4h`` (``"-"`` for
+    none). ``fixed``: one decimal in a single unit, for columns of figures side by side
+    (``400ms``, ``20.0s``, ``5.5m``, ``3.1h``)."""
     if seconds is None:
         return "-"
-    s = max(0.0, seconds)
-    if s < 10:
-        return f"{s:.1f}s"
-    if s < 120:
-        return f"{s:.0f}s"
-    if s < 7200:
-        return f"{s / 60:.0f}m"
+    s = seconds if fixed else max(0.0, seconds)
+    for below, per_unit, unit, decimals in _FIXED if fixed else _COMPACT:
+        if s < below:
+            return f"{s / per_unit:.{decimals}f}{unit}"
+    if fixed:
+        return f"{s / 3600:.1f}h"
     if s < 172800:
         return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
     return f"{int(s // 86400)}d{int(s % 86400 // 3600)}h"
+
+
+def rate(value: float | None) -> str:
+    """A fraction as a percentage: ``8.3%`` (``"-"`` for none)."""
+    return "-" if value is None else f"{value:.1%}"
+
+
+#: Columns of the per-task table of ``lease stats``.
+TASK_HEADERS = (
+    "TASK",
+    "DONE",
+    "FAILED",
+    "CANCELLED",
+    "P50",
+    "P95",
+    "P99",
+    "MAX_RUNTIME",
+    "LEASE_TTL",
+    "PENDING",
+    "OLDEST",
+)
+
+
+def task_rows(tasks: Sequence[TaskHealth]) -> list[tuple[str, ...]]:
+    """One row per task name of ``lease stats``: finished, failure and cancel rates,
+    run-time percentiles next to the task's limits, backlog."""
+    return [
+        (
+            t.name,
+            str(t.finished),
+            rate(t.failure_rate),
+            rate(t.cancel_rate),
+            span(t.run_p50, fixed=True),
+            span(t.run_p95, fixed=True),
+            span(t.run_p99, fixed=True),
+            span(t.max_runtime, fixed=True),
+            span(t.lease_ttl, fixed=True),
+            str(t.pending),
+            span(t.oldest_pending_age, fixed=True),
+        )
+        for t in tasks
+    ]
 
 
 class Table:

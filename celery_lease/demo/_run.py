@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .._runtime import runtime
-from ..admin import Admin, admin
+from ..operations import Admin, admin
 from ..records import TaskRecord, TransitionRecord
 from ..testing import SideEffects, WorkerProcess, pid_alive, wait_until
 from ._names import DATA_ENV, STEP_SECONDS_ENV, STEPS

@@ -45,7 +45,6 @@ app.conf.update(
     lease_reaper_interval=0.5,  # default 5
     lease_republish_after=4,  # default 60
     lease_publish_grace=1,  # default 10
-    lease_beat_reaper=False,  # no beat here: each worker's embedded reaper sweeps
 )
 
 

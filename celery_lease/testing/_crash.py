@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -150,13 +150,3 @@ class CrashPoints:
     def _fired_path(self, point: CrashPoint) -> Path:
         path = self._path(point)
         return path.with_name(path.name + ".fired")
-
-    def disarm_all(self, points: Sequence[CrashPoint] | None = None) -> None:
-        """Disarm every point (or ``points``) that has not fired."""
-        if points is not None:
-            for point in points:
-                self.disarm(point)
-            return
-        for path in self.directory.iterdir():
-            if not path.name.endswith(".fired"):
-                path.unlink(missing_ok=True)

@@ -41,7 +41,6 @@ FAST_TIMINGS: dict[str, Any] = {
     "lease_reaper_interval": 0.2,
     "lease_publish_grace": 1.0,
     "lease_republish_after": 3.0,
-    "lease_beat_reaper": False,
     # Celery waits this long (default 10 s) before it reports a dead pool process, in
     # case the process sent its result first, and looks again only every 5 s; the
     # outcome is in the lease store, so report it at once

@@ -5,7 +5,7 @@
   worker's heartbeat) ends with ``StoreUnavailable`` within ``lease_db_timeout``
   instead of hanging; the durations are measured and printed, never asserted.
 - A worker started while the database refuses connections waits and retries until it
-  answers (``lease_db_retry_on_startup``); a configuration error exits 78 at once.
+  answers (``lease_db_startup_timeout``); a configuration error exits 78 at once.
 - A second live worker started under the node name of a running one refuses to start:
   it must not take the running one for a dead predecessor and expire its leases.
 
@@ -150,7 +150,7 @@ def test_a_worker_that_never_reaches_the_database_exits_78(
     lease_env: LeaseEnv, redis_url: str
 ) -> None:
     # settings.md: it retries for up to lease_db_startup_timeout, then exits 78; with
-    # lease_db_retry_on_startup = False it exits 78 without retrying
+    # lease_db_startup_timeout = 0 it exits 78 without retrying
     p = lease_env.project(broker_url=redis_url)
     proxy = TcpProxy()  # never listening: every connect is refused
     try:
@@ -166,7 +166,7 @@ def test_a_worker_that_never_reaches_the_database_exits_78(
         )
         at_once = p.worker(
             "at-once",
-            env={DATABASE_URL_ENV: url, "TEST_CONF_LEASE_DB_RETRY_ON_STARTUP": "false"},
+            env={DATABASE_URL_ENV: url, "TEST_CONF_LEASE_DB_STARTUP_TIMEOUT": "0"},
             ready=False,
         )
         for worker in (waits, at_once):

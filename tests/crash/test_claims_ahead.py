@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from celery_lease import State
+from celery_lease.config import TUNING_ENV
 from celery_lease.testing import wait_until
 
 from .support import CLEAN_RUN, RECOVERED, LeaseEnv, released
@@ -71,7 +72,7 @@ def test_the_deliveries_that_start_next_are_claimed_ahead_in_one_statement(
     lease_env: LeaseEnv, broker_url: str
 ) -> None:
     # 0.3 s to gather the claims of deliveries that arrive together
-    p = _project(lease_env, broker_url, claim_interval=0.3)
+    p = _project(lease_env, broker_url, env={TUNING_ENV: "claim_interval=0.3"})
     worker = p.worker(concurrency=2)
     gates = [p.gates.hold(f"g{i}") for i in range(2)]
     with released(p.gates, *gates):

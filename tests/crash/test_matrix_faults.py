@@ -54,6 +54,7 @@ import pytest
 
 from celery_lease import State
 from celery_lease.check import check
+from celery_lease.config import TUNING_ENV
 from celery_lease.exceptions import StoreError
 
 from ..helpers import WorkerProcess, wait_until
@@ -488,7 +489,7 @@ def test_row13_a_fenced_worker_claims_nothing_until_its_heartbeat_is_renewed(
 def test_row14_reaper_killed_mid_sweep(lease_env: LeaseEnv, broker_url: str) -> None:
     # batches of 2: five expired leases take three batches, the crash point fires after
     # the first (committed) one
-    p = lease_env.project(broker_url=broker_url, reaper_batch_size=2)
+    p = lease_env.project(broker_url=broker_url, env={TUNING_ENV: "reaper_batch_size=2"})
     keys = [f"k{i}" for i in range(5)]
     victim = p.worker("victim", pool="threads", concurrency=len(keys))
     victim_id = p.incarnation(victim)

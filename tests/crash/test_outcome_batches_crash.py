@@ -27,6 +27,7 @@ import uuid
 import pytest
 
 from celery_lease import State
+from celery_lease.config import TUNING_ENV
 from celery_lease.states import STEP_DONE
 from celery_lease.testing import wait_until
 
@@ -73,8 +74,8 @@ def test_row21_database_unreachable_with_the_outcome_buffered(
         broker_url=redis_url,
         ttl=2.0,
         heartbeat_interval=0.5,
-        outcome_flush_interval=5.0,
         settings={"lease_db_timeout": 1.0},
+        env={TUNING_ENV: "outcome_flush_interval=5.0"},
     )
     with proxy_to_postgres() as proxy:
         worker = p.worker(env={DATABASE_URL_ENV: proxy.url(p.store.config.database_url)})

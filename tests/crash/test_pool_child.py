@@ -106,7 +106,7 @@ def test_sqlite_store_works_in_a_child_forked_during_a_transaction(
 ) -> None:
     """What a prefork worker does when a child dies: the main process's fast path writes
     (this thread's transaction) while billiard forks the replacement child (os.fork)."""
-    store = make_store(sqlite_busy_timeout=1.0, db_retries=0)
+    store = make_store(tuning={"sqlite_busy_timeout": 1.0, "db_retries": 0})
     store.try_lock("warm-up", "parent", 5)  # the parent has pooled connections, like a worker
     entered, release = threading.Event(), threading.Event()
 

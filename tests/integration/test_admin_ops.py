@@ -9,7 +9,7 @@ import json
 import pytest
 
 from celery_lease import IllegalTransition, State, TaskNotFound
-from celery_lease.admin import percentile
+from celery_lease.operations import percentile
 
 from .test_cli_support import Ops, ops_fixture  # noqa: F401  (the ops fixture)
 
@@ -144,20 +144,20 @@ def test_list_filters_by_state_name_age_and_worker(ops: Ops) -> None:
     running = ops.running("ops.add", nodename="node-b@ops-test")
     api = ops.admin
 
-    assert [r.id for r in api.list(state="wait_manual")] == [waiting]
-    assert [r.id for r in api.list(state=State.PENDING)] == [pending]
-    assert {r.id for r in api.list(name="ops.add")} == {pending, running}
-    assert [r.id for r in api.list(worker="node-b@ops-test")] == [running]
+    assert [r.id for r in api.tasks(state="wait_manual")] == [waiting]
+    assert [r.id for r in api.tasks(state=State.PENDING)] == [pending]
+    assert {r.id for r in api.tasks(name="ops.add")} == {pending, running}
+    assert [r.id for r in api.tasks(worker="node-b@ops-test")] == [running]
     record = ops.store.get(running)
     assert record is not None and record.owner is not None
-    assert [r.id for r in api.list(worker=record.owner)] == [running]
-    assert api.list(older_than=3600) == []
-    assert len(api.list(limit=2)) == 2
-    assert [r.id for r in api.list()] == [running, pending, waiting]  # newest first
+    assert [r.id for r in api.tasks(worker=record.owner)] == [running]
+    assert api.tasks(older_than=3600) == []
+    assert len(api.tasks(limit=2)) == 2
+    assert [r.id for r in api.tasks()] == [running, pending, waiting]  # newest first
     with pytest.raises(ValueError, match="unknown state"):
-        api.list(state="STUCK")
+        api.tasks(state="STUCK")
     with pytest.raises(ValueError):
-        api.list(limit=0)
+        api.tasks(limit=0)
 
 
 def test_stats_counts_ages_durations_and_rates(ops: Ops) -> None:

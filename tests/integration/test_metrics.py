@@ -99,7 +99,7 @@ def test_metrics_over_http(served: tuple[Ops, int]) -> None:
 
     ops.admin.reap()  # the zombie: RUNNING -> TIMEOUT -> RETRY_WAIT -> PENDING
     # their audit rows go too: not yet folded into the totals (they are younger than
-    # lease_totals_settle), so the purge adds them to the totals as it deletes them
+    # the totals' settle time, 60 s), so the purge adds them to the totals as it deletes them
     assert ops.admin.purge(older_than=0) == 2
     second = scrape(port)
 

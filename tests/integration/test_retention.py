@@ -81,8 +81,8 @@ def test_batches_are_bounded_and_the_counter_adds_up(store: Store) -> None:
 
 
 def test_lease_retention_batch_size_bounds_each_delete(make_store: Callable[..., Store]) -> None:
-    # settings.md: "Rows deleted per retention transaction"
-    store = make_store(retention_batch_size=2)
+    # the retention batch (a constant, 1000 rows per transaction), made small here
+    store = make_store(tuning={"retention_batch_size": 2})
     ids = [finished(store) for _ in range(3)]
     aged(store, ids, 0.2)
     assert [store.purge_expired(0.1) for _ in range(3)] == [2, 1, 0]

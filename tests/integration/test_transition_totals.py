@@ -18,6 +18,7 @@ from celery import Celery
 from sqlalchemy import func, select
 
 from celery_lease import State
+from celery_lease.config import TUNING_ENV
 from celery_lease.metrics import TransitionTotals, registry
 from celery_lease.store import Fold, Store
 
@@ -250,9 +251,14 @@ def scrape(app: Any, store: Store, *, tail: int) -> dict[tuple[str, tuple[str, .
 
 
 def test_the_reaper_folds_in_its_sweep_before_retention(
-    celery_project: Callable[..., Any], make_store: Callable[..., Store]
+    celery_project: Callable[..., Any],
+    make_store: Callable[..., Store],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    store = make_store(totals_settle=0, retention=0.1, totals_batch_size=3)
+    # the app's own store is built from its settings: the tuning reaches it through the
+    # environment, as it reaches a worker's
+    monkeypatch.setenv(TUNING_ENV, "totals_settle=0,totals_batch_size=3")
+    store = make_store(retention=0.1)
     ops = make_ops(celery_project, store)
     try:
         done = [finished(store) for _ in range(2)]

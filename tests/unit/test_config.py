@@ -13,7 +13,11 @@ from hypothesis import strategies as st
 
 from celery_lease import config
 from celery_lease.config import SETTINGS, LeaseConfig, from_mapping, resolve_database_url
-from celery_lease.exceptions import CeleryLeaseError, ConfigurationError
+from celery_lease.exceptions import (
+    CeleryLeaseDeprecationWarning,
+    CeleryLeaseError,
+    ConfigurationError,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -29,9 +33,7 @@ DEFAULTS = {
     "ttl": 30.0,
     "heartbeat_interval": 5.0,
     "reaper_interval": 5.0,
-    "reaper_batch_size": 100,
     "embedded_reaper": True,
-    "beat_reaper": True,
     "republish_after": 60.0,
     "publish_grace": 10.0,
     "max_recoveries": 5,
@@ -41,28 +43,14 @@ DEFAULTS = {
     "args_max_bytes": 1048576,
     "auto_migrate": False,
     "pool_size": 5,
-    "sqlite_busy_timeout": 30.0,
-    "db_retries": 3,
     "db_timeout": 10.0,
-    "db_connect_timeout": 5.0,
-    "db_retry_on_startup": True,
     "db_startup_timeout": 60.0,
     "retention": 7 * 86400.0,
-    "retention_batch_size": 1000,
-    "totals_batch_size": 50_000,
-    "totals_settle": 60.0,
-    "metrics_tail_rows": 200_000,
     "send_events": True,
     "result_backend_sync": True,
     "outcome_write_through": False,
-    "outcome_batch_size": 100,
-    "outcome_flush_interval": 0.05,
-    "outcome_buffer": 1000,
     "batch_groups": True,
     "claim_ahead": False,
-    "claim_batch_size": 100,
-    "claim_interval": 0.005,
-    "claim_ahead_window": 1.0,
     "origin": None,
 }
 
@@ -74,26 +62,51 @@ def test_defaults():
     assert dataclasses.asdict(LeaseConfig()) == resolved
 
 
-def test_transition_totals_settings_are_validated():
-    conf = from_mapping({"lease_totals_settle": 0, "lease_metrics_tail_rows": 0})
-    assert (conf.totals_settle, conf.metrics_tail_rows) == (0.0, 0)
-    for key, bad in (
-        ("lease_totals_batch_size", 0),
-        ("lease_totals_settle", -1),
-        ("lease_metrics_tail_rows", -1),
-    ):
-        with pytest.raises(ConfigurationError, match=key):
-            from_mapping({key: bad})
+def test_a_removed_setting_warns_naming_its_replacement_and_has_no_effect():
+    for key, replacement in config.DEPRECATED.items():
+        with pytest.warns(CeleryLeaseDeprecationWarning) as caught:
+            cfg = from_mapping({key: 0})
+        message = str(caught[0].message)
+        assert key in message and replacement in message and "no effect" in message
+        assert cfg == LeaseConfig()
+    with pytest.warns(CeleryLeaseDeprecationWarning, match="lease_db_startup_timeout"):
+        from_mapping({"lease_db_retry_on_startup": False})
+    with pytest.warns(CeleryLeaseDeprecationWarning, match="lease_db_timeout"):
+        from_mapping({"lease_sqlite_busy_timeout": 60})
 
 
-def test_outcome_settings_are_validated():
-    assert from_mapping({"lease_outcome_flush_interval": 0}).outcome_flush_interval == 0.0
-    assert from_mapping({"lease_outcome_write_through": "yes"}).outcome_write_through is True
-    with pytest.raises(ConfigurationError, match="lease_outcome_flush_interval"):
-        LeaseConfig(outcome_flush_interval=-1)
-    for key in ("lease_outcome_batch_size", "lease_outcome_buffer"):
-        with pytest.raises(ConfigurationError, match=key):
-            from_mapping({key: 0})
+def test_internal_sizes_are_constants_or_derived_from_the_settings():
+    cfg = LeaseConfig()
+    assert (cfg.reaper_batch_size, cfg.retention_batch_size, cfg.db_retries) == (100, 1000, 3)
+    assert (cfg.outcome_batch_size, cfg.outcome_flush_interval, cfg.outcome_buffer) == (
+        100,
+        0.05,
+        1000,
+    )
+    assert (cfg.claim_batch_size, cfg.claim_interval, cfg.claim_ahead_window) == (100, 0.005, 1.0)
+    assert (cfg.totals_batch_size, cfg.totals_settle, cfg.metrics_tail_rows) == (
+        50_000,
+        60.0,
+        200_000,
+    )
+    # the documented values of the settings they replace, derived from lease_db_timeout
+    assert (cfg.db_connect_timeout, cfg.sqlite_busy_timeout) == (5.0, 30.0)
+    fast = LeaseConfig(db_timeout=2.0)
+    assert (fast.db_connect_timeout, fast.sqlite_busy_timeout) == (1.0, 6.0)
+    assert cfg.db_retry_on_startup is True
+    assert LeaseConfig(db_startup_timeout=0).db_retry_on_startup is False
+
+
+def test_tests_change_the_internal_sizes_through_tuned_or_the_environment(monkeypatch):
+    tuned = LeaseConfig().tuned(reaper_batch_size=2, totals_settle=0.0)
+    assert (tuned.reaper_batch_size, tuned.totals_settle) == (2, 0.0)
+    assert tuned == LeaseConfig()  # not a setting: the settings are the same
+    monkeypatch.setenv(config.TUNING_ENV, "claim_interval=0.3, retention_batch_size=2")
+    cfg = from_mapping({})
+    assert (cfg.claim_interval, cfg.retention_batch_size) == (0.3, 2)
+    monkeypatch.setenv(config.TUNING_ENV, "no_such=1")
+    with pytest.raises(ConfigurationError, match=config.TUNING_ENV):
+        from_mapping({})
 
 
 def test_empty_mapping_gives_the_defaults():
@@ -152,17 +165,17 @@ def test_coercion_from_strings():
         {
             "lease_ttl": "0.75",
             "lease_heartbeat_interval": "0.25",
-            "lease_reaper_batch_size": "17",
+            "lease_result_max_bytes": "17",
             "lease_max_recoveries": "0",
             "lease_auto_migrate": "yes",
-            "lease_beat_reaper": "0",
+            "lease_batch_groups": "0",
             "lease_max_age": "3600.5",
         }
     )
     assert cfg.ttl == 0.75 and cfg.heartbeat_interval == 0.25
-    assert cfg.reaper_batch_size == 17 and isinstance(cfg.reaper_batch_size, int)
+    assert cfg.result_max_bytes == 17 and isinstance(cfg.result_max_bytes, int)
     assert cfg.max_recoveries == 0
-    assert cfg.auto_migrate is True and cfg.beat_reaper is False
+    assert cfg.auto_migrate is True and cfg.batch_groups is False
     assert cfg.max_age == 3600.5
 
 
@@ -224,19 +237,19 @@ INVALID = [
     ("lease_reaper_interval", -0.1),
     ("lease_republish_after", 0),
     ("lease_publish_grace", -3),
-    ("lease_sqlite_busy_timeout", 0),
-    ("lease_reaper_batch_size", 0),
+    ("lease_db_timeout", 0),
+    ("lease_args_max_bytes", 0),
     ("lease_result_max_bytes", 0),
     ("lease_pool_size", 0),
     ("lease_max_recoveries", -1),
-    ("lease_db_retries", -1),
+    ("lease_db_startup_timeout", -1),
     ("lease_max_age", 0),
     ("lease_max_runtime", -5),
     ("lease_table_prefix", "bad-prefix;"),
     ("lease_table_prefix", "has space_"),
     # coercion errors
     ("lease_ttl", "soon"),
-    ("lease_reaper_batch_size", "1.5"),
+    ("lease_pool_size", "1.5"),
     ("lease_max_recoveries", "many"),
     ("lease_auto_migrate", "maybe"),
     ("lease_ttl", True),

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_lease import states
-from celery_lease.policy import after_timeout, retry_delay
+from celery_lease.policy import after_timeout
 from celery_lease.states import State
 
 
@@ -149,6 +149,36 @@ def test_retry_only_when_every_condition_is_safe(
 
 
 # -- retry_delay --------------------------------------------------------------------------
+# Celery's own semantics of a retry's delay (``self.retry()`` goes through Celery, which
+# computes it): the model the docs' "Celery's own options keep their meaning" states.
+
+
+def retry_delay(
+    *,
+    retries: int,
+    countdown: float | None,
+    default_delay: float,
+    backoff: bool | float,
+    backoff_max: float,
+    jitter: bool,
+    rng: random.Random | None = None,
+) -> float:
+    """Seconds to wait before retry number ``retries + 1``.
+
+    An explicit ``countdown`` wins; with ``retry_backoff`` the delay grows as
+    ``factor * 2**retries`` capped at ``retry_backoff_max``, with full jitter
+    when ``retry_jitter`` is set (Celery's own semantics); otherwise
+    ``default_retry_delay``.
+    """
+    if countdown is not None:
+        return max(0.0, float(countdown))
+    if backoff:
+        factor = 1.0 if backoff is True else float(backoff)
+        delay: float = min(float(backoff_max), factor * float(2**retries))
+        if jitter:
+            delay = float((rng or random).uniform(0, delay))
+        return max(0.0, delay)
+    return max(0.0, float(default_delay))
 
 
 def delay(**overrides):

@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib
 import inspect
 
+import pytest
+
+from celery_lease import CeleryLeaseDeprecationWarning
+
 
 def test_celery_lease_admin_stays_the_function_after_its_module_is_imported():
     import celery_lease
@@ -17,10 +21,12 @@ def test_celery_lease_admin_stays_the_function_after_its_module_is_imported():
 
 def test_the_operator_api_module_keeps_its_first_name():
     from celery_lease import Admin, admin
-    from celery_lease.admin import PURGEABLE, percentile
-    from celery_lease.admin import Admin as FirstAdmin
-    from celery_lease.admin import admin as first_admin
     from celery_lease.operations import Admin as OperationsAdmin
+
+    with pytest.warns(CeleryLeaseDeprecationWarning, match="celery_lease.operations"):
+        from celery_lease.admin import PURGEABLE, percentile
+        from celery_lease.admin import Admin as FirstAdmin
+        from celery_lease.admin import admin as first_admin
 
     assert Admin is FirstAdmin is OperationsAdmin and admin is first_admin
     assert percentile([1.0, 3.0], 0.5) == 2.0 and PURGEABLE
@@ -30,6 +36,17 @@ def test_admin_list_is_tasks():
     from celery_lease import Admin
 
     assert Admin.list is Admin.tasks
+
+
+def test_admin_list_called_warns_and_names_tasks():
+    from celery import Celery
+
+    from celery_lease import Admin
+
+    api = Admin(Celery(set_as_current=False))
+    with pytest.warns(CeleryLeaseDeprecationWarning, match=r"Admin\.tasks"):
+        method = api.list
+    assert method == api.tasks
 
 
 def test_moved_names_still_import_from_their_first_modules():

@@ -14,4 +14,4 @@ class LeaseStoreTest(TestCase):
         # the project's own app, as its code uses it: the store followed the test database
         api = admin(app)
         self.assertEqual(api.store.engine.url.database, connection.settings_dict["NAME"])
-        self.assertEqual(api.list(), [])
+        self.assertEqual(api.tasks(), [])
