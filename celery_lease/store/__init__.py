@@ -100,8 +100,8 @@ class Store(Submission, Claims, Outcomes, Sweeps, Operator, SchemaSetup):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe).
 
     The parts above own the operations; the class itself owns the reads that belong to
-    none of them: records, history, lists, counts and the invariant checker's page.
-    Nothing here writes.
+    none of them, and none of which writes: records, history, lists, counts and the
+    invariant checker's page.
     """
 
     def _record_query(self) -> Select[Any]:

@@ -53,6 +53,8 @@ Ask = tuple[str, str]
 class Claims(StoreBase):
     """Claims, one or many, and the fenced writes of a running task."""
 
+    # -- claims ----------------------------------------------------------------------------
+
     def claim(
         self,
         task_id: str,
@@ -304,6 +306,8 @@ class Claims(StoreBase):
         stmt = self._move_update(where, State.PENDING, State.RUNNING, values, returning)
         moved, audit = self._move_ctes(stmt, State.PENDING, State.RUNNING)
         return select(moved).add_cte(audit)
+
+    # -- a running task's fenced writes: steps, progress -----------------------------------
 
     def fence(
         self,

@@ -73,6 +73,8 @@ def _escape_like(text: str) -> str:
 class Operator(Counting):
     """A person's moves, bulk actions, purges and pauses; retention."""
 
+    # -- a person's moves ------------------------------------------------------------------
+
     def _lock_state(self, conn: Connection, task_id: str) -> State:
         t = self.t.tasks
         q = select(t.c.state).where(t.c.id == task_id)
@@ -199,6 +201,8 @@ class Operator(Counting):
         )
         return frm
 
+    # -- bulk actions ----------------------------------------------------------------------
+
     def select_tasks(self, where: Filter, *, limit: int) -> list[Selected]:
         """At most ``limit`` rows matching ``where``, oldest first (read once: the
         batches then act on these ids, each checked again in its transaction)."""
@@ -253,6 +257,8 @@ class Operator(Counting):
             return out
 
         return self._tx(op)
+
+    # -- purges, retention, tombstones -----------------------------------------------------
 
     def _purgeable_where(
         self, states_: Sequence[State], older_than: float
@@ -387,6 +393,8 @@ class Operator(Counting):
             old = old.with_for_update(skip_locked=True)
         stmt = delete(p).where(p.c.id.in_(old.scalar_subquery()))
         return int(self._tx(lambda conn, _: conn.execute(stmt).rowcount, single=True))
+
+    # -- pauses ----------------------------------------------------------------------------
 
     def pause(self, kind: str, target: str, *, actor: str, reason: str) -> bool:
         """Pause a queue or a task name. ``False``: it was already paused (nothing

@@ -88,6 +88,8 @@ BATCHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
 class Outcomes(StoreBase):
     """Outcomes and retries, one or many; follow-ups marked sent."""
 
+    # -- one outcome, one retry ------------------------------------------------------------
+
     def finish(
         self,
         lease: Lease,
@@ -244,6 +246,8 @@ class Outcomes(StoreBase):
             row = conn.execute(select(t.c.state, t.c.token).where(t.c.id == lease.task_id)).first()
             return row is not None and row.token == lease.token and row.state == "PENDING"
         return False
+
+    # -- many at once (the outcome writer) -------------------------------------------------
 
     def finish_many(self, outcomes: Sequence[Outcome], *, actor: str) -> list[bool]:
         """Write many executions' outcomes (SUCCEEDED, FAILED, CANCELLED) at once,
@@ -515,6 +519,8 @@ class Outcomes(StoreBase):
             .cte("audit")
         )
         return select(moved).add_cte(audit)
+
+    # -- follow-ups ------------------------------------------------------------------------
 
     def follow_ups_sent(self, task_ids: Sequence[str]) -> None:
         """The follow-ups of these rows are published: nothing is left for the reaper."""

@@ -307,6 +307,8 @@ class Submission(StoreBase):
             local.events = saved
         return JoinedSubmission(tid, created, tuple(events))
 
+    # -- many rows, and the run Task.replace() ends ----------------------------------------
+
     def submit_many(
         self, rows: Sequence[NewTask], *, batch_size: int = BATCH_SIZE
     ) -> list[tuple[str, bool]]:
@@ -453,6 +455,8 @@ class Submission(StoreBase):
                 answer.append(self._submit_chunk(conn, [new], is_retry)[0])
         return answer
 
+    # -- statements ------------------------------------------------------------------------
+
     def _submit_insert(self, countdown: bool, deadline: Any = None) -> Any:
         """INSERT of one new row; with ``deadline`` (PostgreSQL: a timestamp bind
         parameter) the row is written only while ``clock_timestamp()`` is before it."""
@@ -544,6 +548,8 @@ class Submission(StoreBase):
             .cte("inserted")
         )
         return select(inserted.c.id).add_cte(self._submitted_audit(inserted))
+
+    # -- published marks -------------------------------------------------------------------
 
     def _mark_statement(self, which: ColumnElement[bool]) -> Any:
         t = self.t.tasks

@@ -59,6 +59,8 @@ def reaper_lock_name(origin: str | None) -> str:
 class Sweeps(StoreBase):
     """Expiry, overruns, re-publishing, backlog, follow-ups; worker rows and the lock."""
 
+    # -- expired leases and overruns -------------------------------------------------------
+
     def expire(
         self,
         *,
@@ -247,6 +249,8 @@ class Sweeps(StoreBase):
             .limit(limit)
         )
         return [str(i) for i in self._read(lambda conn: conn.execute(q).scalars().all())]
+
+    # -- what to publish again -------------------------------------------------------------
 
     def _publishable_columns(self) -> tuple[Any, ...]:
         t = self.t.tasks
@@ -438,6 +442,8 @@ class Sweeps(StoreBase):
             return [FollowUps(str(r.id), r.name, r.message, r.result, int(r.retries)) for r in rows]
 
         return self._tx(op)
+
+    # -- worker incarnations and the reaper's lock -----------------------------------------
 
     def register_worker(
         self, worker_id: str, nodename: str, hostname: str, pid: int, *, supersede: bool = True
