@@ -558,6 +558,12 @@ def wait_for(
         raise TimeoutError(f"{what}: not reached within {timeout:g} s") from error
 
 
+def flush_published(store: Any) -> None:
+    """Record now the "published" marks a store holds back for a batch (what the
+    background recorder would do a few milliseconds later)."""
+    store._marks.flush()
+
+
 def done_times(done_dir: Path) -> list[float]:
     """Every completion moment written by ``bench_mark_done`` under ``done_dir``."""
     import struct

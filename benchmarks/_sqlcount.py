@@ -53,12 +53,12 @@ def _autocommit(conn: Any) -> bool:
 
 def _idle_ping(dbapi_conn: Any, record: Any) -> bool:
     """Whether the store's checkout listener pings this connection (it sat idle)."""
-    from celery_lease.store import _engine
+    from celery_lease.store import _db
 
     if type(dbapi_conn).__module__.split(".")[0] != "psycopg":
         return False
-    last = record.info.get(_engine._LAST_USED)
-    return last is not None and time.monotonic() - last >= _engine.IDLE_PING_AFTER
+    last = record.info.get(_db._LAST_USED)
+    return last is not None and time.monotonic() - last >= _db.IDLE_PING_AFTER
 
 
 class SqlCounter:

@@ -26,6 +26,7 @@ from _common import (
     Project,
     Section,
     delete_queue,
+    flush_published,
     lease_config,
     loadavg,
     new_queue,
@@ -95,7 +96,7 @@ def scenario(ctx: Context, broker: str, age_only: bool) -> dict[str, Any]:
         try:
             for i in range(n):
                 app.tasks["bench.noop"].apply_async((i,))
-            store.flush_published()
+            flush_published(store)
             if age_only:
                 reaper_module.backlog_guard = lambda app, after: _AgeOnly()  # type: ignore[assignment,return-value]
             reaper = Reaper(app, actor="reaper:bench", store=store)

@@ -40,6 +40,7 @@ from _common import (
     delete_queue,
     done_count,
     done_times,
+    flush_published,
     lease_config,
     loadavg,
     median,
@@ -294,7 +295,7 @@ def one_round(
             # the last rows' "published" marks wait a few ms for a batch: part of the cost
             from celery_lease._runtime import runtime
 
-            runtime(module.app).store.flush_published()
+            flush_published(runtime(module.app).store)
         published = time.perf_counter() - t0
         publish_cpu = (time.process_time() - cpu0) * 1000 / (n - 1)
         publish_db = (proc_cpu(db_pids) - db0) * 1000 / (n - 1) if db_pids else float("nan")
@@ -427,7 +428,7 @@ def wire_lifecycle(ctx: Context, schema: str, n: int) -> dict[str, float]:
                 )
                 store.submit(new)
                 store.mark_published_soon(tid)
-            store.flush_published()
+            flush_published(store)
             after = trips()
             per["submit + mark published"] += after - before
             unmarked = sum(1 for tid in ids if store.get(tid).published_at is None)  # type: ignore[union-attr]

@@ -4,7 +4,7 @@ The row is the outbox (DESIGN.md): a committed PENDING row is published, sooner 
 later, by the producer or by the reaper; an uncommitted one never is. What this module
 adds is *when*: the message goes out right after the commit, when a hook tells us the
 commit happened (``Session``, or a connection of ``outbox_transaction()``; the hooks
-are the store's, :mod:`celery_lease.store._joined`). On any other ``Connection`` the
+are the store's, :mod:`celery_lease.store._outbox`). On any other ``Connection`` the
 reaper publishes the row instead, once it is committed and older than
 ``lease_publish_grace`` (so within the grace plus one ``lease_reaper_interval``).
 """

@@ -4,7 +4,7 @@ For each task name, over a window of recent history: how many finished and how
 (failure and cancel rates), run-time percentiles next to the limits the rows carry
 (``max_runtime``, ``lease_ttl``), and the backlog (PENDING rows and the age of the
 oldest). Read by ``admin(app).stats()``, ``celery lease stats`` and the Prometheus
-collector; every figure comes from a bounded index range (see ``store._health``).
+collector; every figure comes from a bounded index range (see ``store._totals``).
 """
 
 from __future__ import annotations

@@ -151,6 +151,37 @@ def check_audit(store: Store, task_ids: Iterable[str] | None = None) -> int:
     return assert_audit_trail(store, task_ids)
 
 
+def flush_published(store: Store) -> None:
+    """Record now every "published" mark the store's producer side holds back for a
+    batch (:meth:`~celery_lease.store.Store.mark_published_soon`): what a test asserts
+    next then sees it (production leaves them to the background recorder)."""
+    store._marks.flush()
+
+
+def discard_unpublished(store: Store, task_id: str) -> None:
+    """Delete a PENDING row never claimed nor published, with its audit rows (counted in
+    the transition totals first, as every deletion of audit rows is)."""
+    from sqlalchemy import delete
+
+    from celery_lease.states import State
+
+    t, tr = store.t.tasks, store.t.transitions
+
+    def op(conn: Any, _: bool) -> None:
+        gone = conn.execute(
+            delete(t).where(
+                t.c.id == task_id,
+                t.c.state == State.PENDING.value,
+                t.c.attempt == 0,
+                t.c.published_at.is_(None),
+            )
+        ).rowcount
+        if gone:
+            store._delete_audit(conn, tr.c.task_id == task_id)
+
+    store._tx(op)
+
+
 # -- generated Celery projects and real worker subprocesses -------------------------------
 
 _MODULE_TEMPLATE = '''\

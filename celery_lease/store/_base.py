@@ -1,12 +1,21 @@
-"""Store plumbing: engine, transactions with retries, the one compare-and-set helper."""
+"""Transactions, the one compare-and-set with its audit rows, and what every operation
+shares (thread-safe; fork-safe).
+
+Every state change goes through :meth:`StoreBase._move` (or its batch form
+:meth:`StoreBase._move_each`): one conditional UPDATE (compare-and-set on the current
+state, plus the caller's fence) and the audit rows, in one transaction. Zero rows
+updated is a result the caller handles. A transaction is retried on a transient
+driver error, with jittered backoff, all within ``lease_db_timeout``; any other driver
+error is wrapped once in a :class:`~celery_lease.exceptions.StoreError`.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
+import random
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -22,14 +31,14 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    and_,
     bindparam,
     case,
     column,
+    exc,
     func,
     insert,
     literal,
-    or_,
+    null,
     select,
     update,
 )
@@ -39,38 +48,21 @@ from sqlalchemy.sql.dml import ReturningUpdate
 
 from .. import states
 from ..config import LeaseConfig
-from ..states import State
-from . import _engine
-from ._executor import Executor
-from ._redact import safe_url
-from ._sql import after, db_now, greatest
-from ._types import Lease
-from .schema import Tables, build
+from ..exceptions import StoreDataError, StoreError, StoreUnavailable
+from ..states import Actor, State
+from . import _db
+from ._db import WATCHDOG, redact, safe_url
+from ._types import Executor, Lease, Listener, TransitionEvent
+from .schema import Tables, build, db_now
 
 T = TypeVar("T")
 
 logger = logging.getLogger("celery_lease.store")
 
-
-@dataclasses.dataclass(frozen=True)
-class TransitionEvent:
-    """A committed state change, handed to the store's listeners after the commit."""
-
-    task_id: str
-    name: str | None
-    from_state: State | None
-    to_state: State
-    reason: str
-    actor: str
-    attempt: int
-
-
-#: Called once per committed transaction with the transitions it made.
-Listener = Callable[[Sequence[TransitionEvent]], None]
-
-
 #: The reason and actor of a transition: bind parameters, so a statement is built once.
 _REASON = bindparam("b_reason", type_=Text)
+
+
 _ACTOR = bindparam("b_actor", type_=String)
 
 
@@ -89,13 +81,79 @@ def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def reaper_lock_name(origin: str | None) -> str:
-    """The embedded reaper's lock for the apps of one broker (``origin``): one per broker,
-    so that each app's reaper sweeps, and publishes its own rows, whoever holds the
-    others' lock."""
-    if origin is None:
-        return "reaper"
-    return "reaper:" + hashlib.sha256(origin.encode()).hexdigest()[:24]
+_TRANSIENT_PG_CODES = {
+    "40001",
+    "40P01",
+    "57P01",
+    "57P02",
+    "57P03",
+    "08000",
+    "08003",
+    "08006",
+    "08001",
+}
+
+
+def is_transient(error: exc.DBAPIError) -> bool:
+    """Whether retrying the transaction may succeed (connection lost, lock busy, serialization)."""
+    if error.connection_invalidated:
+        return True
+    code = getattr(error.orig, "sqlstate", None) or getattr(error.orig, "pgcode", None)
+    if code in _TRANSIENT_PG_CODES:
+        return True
+    return isinstance(error, (exc.OperationalError, exc.InterfaceError))
+
+
+def wrap(error: exc.SQLAlchemyError, url: str, *, timeout: float | None = None) -> StoreError:
+    """The library's exception for a driver error (the cause is kept by ``raise ... from``).
+
+    ``timeout``: the call ran out of its ``lease_db_timeout`` (said in the message).
+    """
+    detail = str(getattr(error, "orig", None) or error).strip().splitlines()
+    first = redact(detail[0]) if detail else type(error).__name__
+    if timeout is not None:
+        return StoreUnavailable(
+            f"lease store {url} unavailable: no answer within {timeout:g} s "
+            f"(lease_db_timeout): {first}"
+        )
+    if isinstance(error, exc.DBAPIError) and is_transient(error):
+        return StoreUnavailable(f"lease store {url} unavailable: {first}")
+    if isinstance(error, exc.TimeoutError):  # no free connection in the pool in time
+        return StoreUnavailable(f"lease store {url} unavailable: {first}")
+    if isinstance(error, (exc.DataError, exc.IntegrityError)):
+        # the value was wrong (too long, out of range, a constraint), not the database
+        return StoreDataError(f"lease store {url} refused a value: {first}")
+    return StoreError(f"lease store {url}: {first}")
+
+
+def retrying(fn: Callable[[bool], T], *, retries: int, url: str, timeout: float | None = None) -> T:
+    """Run ``fn(is_retry)``, retrying transient driver errors with jittered exponential
+    backoff, all within ``timeout`` seconds (``None``: no deadline).
+
+    Past the deadline the watchdog shuts down the connection the call is blocked on,
+    and no further try starts: the call ends with :class:`StoreUnavailable`.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    outer = None if deadline is None else WATCHDOG.arm(deadline)
+    try:
+        for attempt in range(retries + 1):
+            try:
+                return fn(attempt > 0)
+            except exc.DBAPIError as error:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise wrap(error, url, timeout=timeout) from error
+                if attempt < retries and is_transient(error):
+                    pause = random.uniform(0, min(2.0, 0.05 * 2**attempt))
+                    time.sleep(pause if left is None else min(pause, left))
+                    continue
+                raise wrap(error, url) from error
+            except exc.SQLAlchemyError as error:
+                raise wrap(error, url) from error
+    finally:
+        if outer is not None:
+            WATCHDOG.disarm(outer)
+    raise AssertionError("unreachable")
 
 
 class StoreBase:
@@ -103,13 +161,13 @@ class StoreBase:
 
     def __init__(self, config: LeaseConfig) -> None:
         self.config = config
-        self.engine = _engine.create(config)
+        self.engine = _db.create(config)
         self.url = safe_url(self.engine.url)
         self.t: Tables = build(config.table_prefix, config.schema, config.origin)
         self.dialect = self.engine.dialect.name
         self.is_pg = self.dialect == "postgresql"
-        #: Keeps fork() out of SQLite transactions (see _engine.fork_guard).
-        self._fork_guard = _engine.fork_guard(self.engine)
+        #: Keeps fork() out of SQLite transactions (see _db.fork_guard).
+        self._fork_guard = _db.fork_guard(self.engine)
         self._schema_checked = False
         #: Called after each commit with its transitions (logs, events, metrics, backends).
         self.listeners: list[Listener] = []
@@ -147,7 +205,7 @@ class StoreBase:
                 self.announce(events)
             return result
 
-        return _engine.retrying(
+        return retrying(
             attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
         )
 
@@ -196,7 +254,7 @@ class StoreBase:
             ):
                 return fn(conn)
 
-        return _engine.retrying(
+        return retrying(
             attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
         )
 
@@ -465,6 +523,26 @@ class StoreBase:
             .cte("audit")
         )
 
+    def _submitted_audit(self, inserted: Any) -> Any:
+        """PostgreSQL: the ``None -> PENDING`` audit rows of the rows a CTE inserted,
+        as CTE ``audit``."""
+        return (
+            insert(self.t.transitions)
+            .from_select(
+                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
+                select(
+                    inserted.c.id,
+                    null(),
+                    literal(State.PENDING.value, String),
+                    literal("submitted", Text),
+                    literal(Actor.PRODUCER.value, String),
+                    literal(0, Integer),
+                    db_now(),
+                ),
+            )
+            .cte("audit")
+        )
+
     def _fenced(self, lease: Lease) -> list[ColumnElement[bool]]:
         t = self.t.tasks
         return [t.c.id == lease.task_id, t.c.attempt == lease.attempt, t.c.token == lease.token]
@@ -500,57 +578,4 @@ class StoreBase:
             actor=_ACTOR,
             attempt=bindparam("b_attempt", type_=Integer),
             at=db_now(),
-        )
-
-    # -- conditions shared by the sweeps and the reads (each written once) -------------
-
-    def _expired_condition(self) -> ColumnElement[bool]:
-        """A RUNNING row's lease has expired: its owner is unknown, stopped, or silent for
-        longer than the row's TTL (the row joined to its owner's worker row)."""
-        t, w = self.t.tasks, self.t.workers
-        return or_(
-            w.c.id.is_(None),
-            w.c.stopped_at.is_not(None),
-            after(w.c.heartbeat_at, t.c.lease_ttl) < db_now(),
-        )
-
-    def _publishes(self) -> ColumnElement[bool]:
-        """A row this store's app may publish: one of its own broker, or one that records
-        none (written before rows recorded it, or by an app whose broker is unknown).
-        Another app's row goes to that app's broker, by that app's reaper."""
-        t, origin = self.t.tasks, self.config.origin
-        if origin is None:
-            return t.c.origin.is_(None)
-        return or_(t.c.origin.is_(None), t.c.origin == origin)
-
-    def reaper_lock(self) -> str:
-        """The name of the embedded reaper's lock (see :func:`reaper_lock_name`)."""
-        return reaper_lock_name(self.config.origin)
-
-    def _never_published(self, slack: float = 0.0) -> ColumnElement[bool]:
-        """A PENDING row never marked published within ``lease_publish_grace`` (plus
-        ``slack`` seconds)."""
-        t = self.t.tasks
-        return and_(
-            t.c.published_at.is_(None),
-            after(t.c.updated_at, self.config.publish_grace + slack) < db_now(),
-        )
-
-    def _message_lost(self, slack: float = 0.0) -> ColumnElement[bool]:
-        """A PENDING row published but not claimed within ``lease_republish_after`` (plus
-        ``slack`` seconds), doubled per publish and capped at 64 times: a long backlog,
-        which looks like a lost message, is duplicated a few times, not flooded."""
-        t = self.t.tasks
-        backoff = case(
-            (t.c.publish_count <= 1, literal(1)),
-            (t.c.publish_count >= 7, literal(64)),
-            else_=literal(1).op("<<")(t.c.publish_count - 1),
-        )
-        return and_(
-            t.c.published_at.is_not(None),
-            after(
-                greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
-                literal(self.config.republish_after) * backoff + slack,
-            )
-            < db_now(),
         )

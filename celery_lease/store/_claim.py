@@ -1,33 +1,60 @@
-"""The claim: PENDING -> RUNNING with the next attempt and a fresh token, or the
-adoption of a message that has no row."""
+"""Execution's start and progress: the claim (PENDING -> RUNNING with the next attempt
+and a fresh token, or the adoption of a message that has no row), claims in batches,
+and the fenced writes of a running task (steps, progress, lease checks).
+
+Claims in batches are the deliveries a worker took from the broker together, claimed
+in one statement by its main process (``lease_claim_ahead``, see
+:mod:`celery_lease._claimer`). Only the common case is batched: a PENDING row that is
+due, whose task retries by itself on a lost lease (``on_timeout = 'retry'``) and has
+no ``max_runtime`` (a row claimed ahead waits for a free pool process, and that wait
+must not count against a runtime limit). A delivery the batch does not claim (no row,
+not due, a copy of a running task, a paused or manual task, or a race) is claimed by
+its pool process exactly as without batching, which adopts it, drops it or publishes
+it again. On PostgreSQL the batch is one ``UPDATE ... FROM unnest(...)`` with the audit
+rows inserted by a data-modifying CTE over the updated rows; on SQLite one transaction.
+"""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
     Connection,
     Row,
+    String,
     bindparam,
+    column,
+    func,
     or_,
     select,
     true,
+    update,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 
+from ..states import STEP_DONE as DONE
+from ..states import STEP_STARTED as STARTED
 from ..states import State
-from ._base import TransitionEvent
-from ._sql import db_now
-from ._tombstones import TombstonesMixin
-from ._types import Claim, Lease, NewTask, Refusal
+from ._base import StoreBase
+from ._types import Claim, FenceResult, Lease, NewTask, RecordedStep, Refusal, TransitionEvent
+from .schema import db_now
 
 #: Note for rows whose arguments could not be stored: they cannot be re-published.
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
-class ClaimMixin(TombstonesMixin):
+#: What a delivery claimed ahead is: (task id, the fresh token of its claim).
+Ask = tuple[str, str]
+
+
+class Claims(StoreBase):
+    """Claims, one or many, and the fenced writes of a running task."""
+
+    # -- claims ----------------------------------------------------------------------------
+
     def claim(
         self,
         task_id: str,
@@ -99,7 +126,9 @@ class ClaimMixin(TombstonesMixin):
                     # at its ETA, to the millisecond): claim it now
                     rows = move(conn)
                 elif row is None and adopt is not None:
-                    if self._is_purged(conn, task_id):
+                    tomb = self.t.purged
+                    if conn.execute(select(tomb.c.id).where(tomb.c.id == task_id)).first():
+                        # a tombstone: its row was purged, a late message is refused
                         return Refusal(
                             task_id,
                             None,
@@ -200,3 +229,238 @@ class ClaimMixin(TombstonesMixin):
             if new.args is None:
                 reason += f" ({_NO_ARGS_NOTE})"
             self._audit(conn, new.id, None, State.PENDING, reason, "worker", 0)
+
+    def claim_many(self, asks: Sequence[Ask], owner: str, actor: str) -> dict[str, Claim]:
+        """Compare-and-set PENDING -> RUNNING (attempt += 1) of every eligible row of
+        ``asks`` in one statement; the claims made, by token. Several asks of one task
+        id claim it once: only the ask whose token the row took is answered."""
+        if not asks:
+            return {}
+        reason = f"claimed ahead by {actor}"
+
+        def op(conn: Connection, _: bool) -> list[Any]:
+            if self.is_pg:
+                stmt = self._prepared("claim_many", self._claim_many_pg)
+                params = {
+                    "b_ids": [a[0] for a in asks],
+                    "b_tokens": [a[1] for a in asks],
+                    "b_owner": owner,
+                    "b_reason": reason,
+                    "b_actor": actor,
+                }
+                rows = conn.execute(stmt, params).all()
+                for r in rows:
+                    self._record_event(
+                        TransitionEvent(
+                            r.id, r.name, State.PENDING, State.RUNNING, reason, actor, r.attempt
+                        )
+                    )
+                return list(rows)
+            rows = []
+            for task_id, token in asks:
+                rows += self._move_prepared(
+                    conn,
+                    "claim-ahead",
+                    self._claim_ahead_spec,
+                    {"b_task_id": task_id, "b_token": token, "b_owner": owner},
+                    State.PENDING,
+                    State.RUNNING,
+                    reason=reason,
+                    actor=actor,
+                )
+            return rows
+
+        rows = self._tx(op, single=self.is_pg)
+        return {
+            str(r.token): Claim(
+                lease=Lease(str(r.id), int(r.attempt), str(r.token)),
+                retries=int(r.retries),
+                recoveries=int(r.recoveries),
+                resumed=int(r.attempt) > 1,
+                cancel_requested=r.cancel_requested_at is not None,
+            )
+            for r in rows
+        }
+
+    def _claim_ahead_spec(self) -> tuple[list[Any], dict[str, Any], tuple[Any, ...]]:
+        """Where, values and returning of one claim made ahead (bind parameters
+        ``b_task_id``, ``b_token``, ``b_owner``): the claim's, for eligible rows only."""
+        t = self.t.tasks
+        where, values, returning = self._claim_spec()
+        return [*where, *_eligible(t)], values, (*returning, t.c.token)
+
+    def _claim_many_pg(self) -> Any:
+        t = self.t.tasks
+        where, values, returning = self._claim_ahead_spec()
+        v = (
+            func.unnest(
+                bindparam("b_ids", type_=ARRAY(String)),
+                bindparam("b_tokens", type_=ARRAY(String)),
+            )
+            .table_valued(column("id", String), column("token", String))
+            .render_derived(name="v")
+        )
+        # the single claim's where and values, with the id and token from the arrays
+        where = [w for w in where if not _names_task_id(w)] + [t.c.id == v.c.id]
+        values = {**values, "token": v.c.token}
+        stmt = self._move_update(where, State.PENDING, State.RUNNING, values, returning)
+        moved, audit = self._move_ctes(stmt, State.PENDING, State.RUNNING)
+        return select(moved).add_cte(audit)
+
+    # -- a running task's fenced writes: steps, progress -----------------------------------
+
+    def fence(
+        self,
+        lease: Lease,
+        conn: Connection,
+        *,
+        progress: str | None = None,
+        set_progress: bool = False,
+    ) -> FenceResult | None:
+        """Check the lease inside a write transaction and count it as progress.
+
+        ``None``: the lease is lost. Otherwise says whether a cancel was requested.
+        """
+        t = self.t.tasks
+        values: dict[str, Any] = {"progress_at": db_now()}
+        if set_progress:
+            values["progress"] = progress
+        row = conn.execute(
+            update(t)
+            .where(
+                *self._fenced(lease), t.c.state.in_([State.RUNNING.value, State.WAIT_MANUAL.value])
+            )
+            .values(**values)
+            .returning(t.c.cancel_requested_at, t.c.cancel_reason)
+        ).first()
+        if row is None:
+            return None
+        return FenceResult(row.cancel_requested_at is not None, row.cancel_reason)
+
+    def check_lease(self, lease: Lease) -> FenceResult | None:
+        """Read-only lease check (for ``check_cancelled``)."""
+        t = self.t.tasks
+
+        def op(conn: Connection) -> FenceResult | None:
+            row = conn.execute(
+                select(t.c.cancel_requested_at, t.c.cancel_reason).where(
+                    *self._fenced(lease),
+                    t.c.state.in_([State.RUNNING.value, State.WAIT_MANUAL.value]),
+                )
+            ).first()
+            if row is None:
+                return None
+            return FenceResult(row.cancel_requested_at is not None, row.cancel_reason)
+
+        return self._read(op)
+
+    def load_steps(self, task_id: str) -> dict[str, RecordedStep]:
+        """Every recorded step of a task, by name."""
+        s = self.t.steps
+        return self._read(
+            lambda conn: {
+                row.name: RecordedStep(row.state, row.result, int(row.attempt))
+                for row in conn.execute(
+                    select(s.c.name, s.c.state, s.c.result, s.c.attempt).where(
+                        s.c.task_id == task_id
+                    )
+                )
+            }
+        )
+
+    def step_started(self, lease: Lease, name: str, *, checkable: bool) -> FenceResult | None:
+        """Record that a non-idempotent step is about to call out (fenced).
+
+        ``None``: the lease is lost and nothing was written. With a cancel requested
+        nothing is recorded either: the caller stops before calling out.
+        """
+        s = self.t.steps
+
+        def op(conn: Connection, _: bool) -> FenceResult | None:
+            fenced = self.fence(lease, conn)
+            if fenced is None or fenced.cancel_requested:
+                # a STARTED row for a call never made would read "outcome unknown"
+                return fenced
+            values: dict[str, Any] = {
+                "state": STARTED,
+                "idempotent": False,
+                "checkable": checkable,
+                "attempt": lease.attempt,
+                "started_at": db_now(),
+            }
+            conn.execute(
+                self._insert(s)
+                .values(task_id=lease.task_id, name=name, **values)
+                .on_conflict_do_update(
+                    index_elements=[s.c.task_id, s.c.name],
+                    set_=values,
+                    where=s.c.state != DONE,
+                )
+            )
+            return fenced
+
+        return self._tx(op)
+
+    def step_done(
+        self, lease: Lease, name: str, result: str, *, idempotent: bool
+    ) -> tuple[FenceResult | None, str]:
+        """Store a step's result, first writer wins (fenced).
+
+        Returns the fence answer (``None``: lease lost, nothing written) and the stored
+        result, which is the earlier one if the step was already done.
+        """
+        s = self.t.steps
+
+        def op(conn: Connection, _: bool) -> tuple[FenceResult | None, str]:
+            fenced = self.fence(lease, conn)
+            if fenced is None:
+                return None, result
+            values: dict[str, Any] = {
+                "state": DONE,
+                "result": result,
+                "attempt": lease.attempt,
+                "finished_at": db_now(),
+            }
+            stored = conn.execute(
+                self._insert(s)
+                .values(
+                    task_id=lease.task_id,
+                    name=name,
+                    idempotent=idempotent,
+                    started_at=db_now(),
+                    **values,
+                )
+                .on_conflict_do_update(
+                    index_elements=[s.c.task_id, s.c.name],
+                    set_=values,
+                    where=s.c.state != DONE,
+                )
+                .returning(s.c.result)
+            ).scalar()
+            if stored is None:  # already done by an earlier attempt: keep the first result
+                stored = conn.execute(
+                    select(s.c.result).where(s.c.task_id == lease.task_id, s.c.name == name)
+                ).scalar_one()
+            return fenced, str(stored)
+
+        return self._tx(op)
+
+    def save_progress(self, lease: Lease, value: str) -> FenceResult | None:
+        """Store the task's progress cursor (fenced); ``None``: lease lost."""
+        return self._tx(lambda conn, _: self.fence(lease, conn, progress=value, set_progress=True))
+
+    def load_progress(self, task_id: str) -> str | None:
+        t = self.t.tasks
+        return self._read(
+            lambda conn: conn.execute(select(t.c.progress).where(t.c.id == task_id)).scalar()
+        )
+
+
+def _eligible(t: Any) -> list[Any]:
+    return [t.c.max_runtime.is_(None), t.c.on_timeout == "retry"]
+
+
+def _names_task_id(clause: Any) -> bool:
+    """Whether ``clause`` is the single claim's ``id = :b_task_id``."""
+    right = getattr(clause, "right", None)
+    return getattr(right, "key", None) == "b_task_id"

@@ -1,10 +1,12 @@
-"""The transition totals: the audit table's transitions counted, at a bounded cost.
+"""What the metrics and ``lease stats`` count, each at a bounded cost: the transition
+totals, the named counters (``purged``, ``duplicates_dropped``, ``republished``) and
+the health figures.
 
-The audit table grows with every transition; counting it at scrape time does not
-scale. So the reaper *folds* settled audit rows into ``<prefix>transition_totals``,
-one bounded primary-key range per transaction, and raises the watermark
-(``<prefix>transition_watermark.upto``, one row) to the last id it folded, in the
-same transaction. A scrape reads the totals, the watermark and at most
+**Transition totals.** The audit table grows with every transition; counting it at
+scrape time does not scale. So the reaper *folds* settled audit rows into
+``<prefix>transition_totals``, one bounded primary-key range per transaction, and
+raises the watermark (``<prefix>transition_watermark.upto``, one row) to the last id
+it folded, in the same transaction. A scrape reads the totals, the watermark and at most
 ``lease_metrics_tail_rows`` audit rows above it (a primary-key range), in one
 snapshot: a handful of rows plus a bounded tail, whatever the size of the table.
 
@@ -21,7 +23,7 @@ What holds, and why:
   more than ``lease_totals_settle`` seconds after writing it is missed by the totals
   (never by the audit trail).
 - **Deleting audit rows never lowers the totals.** Retention, ``lease purge`` and a
-  discarded submission delete audit rows only through :meth:`TotalsMixin._delete_audit`
+  discarded submission delete audit rows only through :meth:`Counting._delete_audit`
   (or, for retention on PostgreSQL, the same CTEs inside its one statement), which adds
   the deleted rows above the watermark to the totals in the same transaction. The
   rows at or below it are already counted.
@@ -32,12 +34,18 @@ What holds, and why:
   before it commits). On SQLite every write transaction is ``BEGIN IMMEDIATE``: one
   writer at a time. The watermark is also moved by compare-and-set on its old value,
   before the totals are written, so a fold that somehow lost the race writes nothing.
+
+**Health figures.** Each reads an index range whose size is bounded by what an operator
+watches (the rows finished within a window, the live rows), never the whole tasks
+table: the finished states are named in the words of the partial index
+``<prefix>tasks_finished`` (:data:`~.schema.FINISHED_SQL`) and the live ones as
+literals, so that a generic plan of a prepared statement can use the same indexes as a
+custom one.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -50,65 +58,55 @@ from sqlalchemy import (
     delete,
     func,
     literal,
+    literal_column,
     select,
+    text,
     update,
 )
 from sqlalchemy.dialects import postgresql
 
+from ..states import State
 from ._base import StoreBase
-from ._sql import after, db_now
+from ._types import Backlog, Finished, Fold, Runtime, Totals, _Pair
+from .schema import FINISHED_SQL, after, db_now, seconds_between
 
 #: ``from_state`` of a task's creation in the totals table (the audit row's is NULL).
 CREATED = ""
 
-_Pair = tuple[str | None, str]
+
+#: Names of the counters (``lease_counters.name``).
+PURGED = "purged"
 
 
-@dataclasses.dataclass(frozen=True)
-class Fold:
-    """What one fold did (see :meth:`TotalsMixin.fold_transitions`)."""
-
-    #: Audit rows added to the totals.
-    rows: int
-    #: The watermark after the fold.
-    upto: int
-    #: Settled rows above the watermark remain: fold again.
-    more: bool
-    #: Another reaper held the watermark: this one did nothing (``upto`` is then 0).
-    held: bool = False
+DUPLICATES_DROPPED = "duplicates_dropped"
 
 
-@dataclasses.dataclass(frozen=True)
-class Totals:
-    """Transition counts as of one snapshot (see :meth:`TotalsMixin.transition_totals`)."""
-
-    #: Audit rows by ``(from_state, to_state)`` (``from_state`` ``None``: a creation):
-    #: the folded totals plus the rows counted above the watermark.
-    counts: dict[_Pair, int]
-    #: The watermark: every audit row up to this id is in the folded totals.
-    upto: int
-    #: Audit ids up to this one are counted (the watermark plus the tail read).
-    counted_upto: int
-    #: The highest audit id (0: no audit row).
-    top: int
-
-    @property
-    def lag(self) -> int:
-        """Audit ids above the watermark: what the reaper has yet to fold (ids, so a
-        sequence's gaps make it an upper bound on rows)."""
-        return max(0, self.top - self.upto)
-
-    @property
-    def uncounted(self) -> int:
-        """Audit ids above what this read counted (0 unless the tail was capped)."""
-        return max(0, self.top - self.counted_upto)
+REPUBLISHED = "republished"
 
 
-class TotalsMixin(StoreBase):
+COUNTERS = (PURGED, DUPLICATES_DROPPED, REPUBLISHED)
+
+
+#: States that are not finished: counted exactly, from the state index.
+LIVE_STATES = (
+    State.PENDING,
+    State.RUNNING,
+    State.RETRY_WAIT,
+    State.TIMEOUT,
+    State.WAIT_MANUAL,
+)
+
+
+def _literal_in(column: Any, states: tuple[State, ...]) -> ColumnElement[bool]:
+    result: ColumnElement[bool] = column.in_([literal_column(f"'{s.value}'") for s in states])
+    return result
+
+
+class Counting(StoreBase):
+    """The transition totals (folded, read), the named counters, the health figures."""
+
     #: The watermark row is known to exist (see :meth:`_ensure_watermark`).
     _watermark_ready = False
-
-    # -- statements -------------------------------------------------------------------
 
     def _add_totals_statement(self) -> Any:
         """Add ``b_n`` to the total of ``(b_from, b_to)`` (bind parameters)."""
@@ -193,8 +191,6 @@ class TotalsMixin(StoreBase):
         self._add_totals(conn, [(f, t, int(n)) for f, t, n in pairs])
         return int(conn.execute(delete(tr).where(condition)).rowcount)
 
-    # -- the fold -----------------------------------------------------------------------
-
     def _fold_ready_statement(self) -> Any:
         """The watermark, and whether the lowest audit row above it is older than
         ``b_settle`` seconds (``None``: no row above it)."""
@@ -269,8 +265,6 @@ class TotalsMixin(StoreBase):
 
         return self._tx(op)
 
-    # -- reading ------------------------------------------------------------------------
-
     def transition_totals(self, *, tail: int | None = None) -> Totals:
         """The transition counts: the folded totals plus the audit rows above the
         watermark, at most ``tail`` ids of them (default ``lease_metrics_tail_rows``),
@@ -297,3 +291,161 @@ class TotalsMixin(StoreBase):
             return Totals(counts, base, base + cap, top)
 
         return self._read(op)
+
+    def _bump_statement(self) -> Any:
+        c = self.t.counters
+        stmt = self._insert(c).values(
+            name=bindparam("b_name", type_=String),
+            value=bindparam("b_value", type_=c.c.value.type),
+            updated_at=db_now(),
+        )
+        return stmt.on_conflict_do_update(
+            index_elements=[c.c.name],
+            set_={"value": c.c.value + stmt.excluded.value, "updated_at": db_now()},
+        )
+
+    def add_counts(self, deltas: Mapping[str, int], conn: Connection | None = None) -> None:
+        """Add ``deltas`` to the named counters (in ``conn``'s transaction if given)."""
+        params = [{"b_name": k, "b_value": int(v)} for k, v in sorted(deltas.items()) if v]
+        if not params:
+            return
+        stmt = self._prepared("bump-counter", self._bump_statement)
+        if conn is not None:
+            conn.execute(stmt, params)
+            return
+        self._tx(lambda conn, _: conn.execute(stmt, params))
+
+    def counters(self) -> dict[str, int]:
+        """Every known counter's total (zero for those never raised)."""
+        c = self.t.counters
+        rows = self._read(lambda conn: conn.execute(select(c.c.name, c.c.value)).all())
+        out = dict.fromkeys(COUNTERS, 0)
+        out.update({str(name): int(value) for name, value in rows})
+        return out
+
+    # -- the health figures (``lease stats``, the metrics) ---------------------------------
+
+    def live_counts(self) -> dict[State, int]:
+        """Rows per live state (PENDING, RUNNING, RETRY_WAIT, TIMEOUT, WAIT_MANUAL),
+        zero included: a range of the state index, never the finished rows."""
+        t = self.t.tasks
+        q = (
+            select(t.c.state, func.count())
+            .where(_literal_in(t.c.state, LIVE_STATES))
+            .group_by(t.c.state)
+        )
+        rows = self._read(lambda conn: conn.execute(q).all())
+        out = dict.fromkeys(LIVE_STATES, 0)
+        for state, count in rows:
+            out[State(state)] = int(count)
+        return out
+
+    def finished_by_name(self, window: float) -> list[Finished]:
+        """Tasks finished (SUCCEEDED, FAILED, CANCELLED) in the last ``window`` seconds,
+        by task name and state."""
+        t = self.t.tasks
+        q = (
+            select(t.c.name, t.c.state, func.count())
+            .where(text(FINISHED_SQL), t.c.finished_at >= after(db_now(), -window))
+            .group_by(t.c.name, t.c.state)
+        )
+        rows = self._read(lambda conn: conn.execute(q).all())
+        return [Finished(str(n), State(s), int(c)) for n, s, c in rows]
+
+    def finished_total(self, cap: int = 100_000) -> tuple[dict[State, int], bool]:
+        """Rows per finished state over the whole table, and whether any figure is an
+        estimate. Each state is counted exactly up to ``cap`` rows (a bounded range
+        of the partial index); past that, on PostgreSQL, the planner's statistics
+        give the figure (``reltuples`` times the state's frequency, as fresh as the
+        last ``ANALYZE``), so the cost stays flat however large the table grows."""
+        t = self.t.tasks
+        finished = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
+
+        def bounded(state: State) -> Any:
+            inner = (
+                select(literal_column("1"))
+                .where(text(FINISHED_SQL), t.c.state == literal_column(f"'{state.value}'"))
+                .limit(cap + 1)
+                .subquery()
+            )
+            return select(func.count()).select_from(inner).scalar_subquery()
+
+        q = select(*(bounded(s).label(s.value) for s in finished))
+        row = self._read(lambda conn: conn.execute(q).one())
+        out = {s: int(row._mapping[s.value]) for s in finished}
+        over = [s for s, n in out.items() if n > cap]
+        if not over:
+            return out, False
+        estimates = self._state_estimates() if self.is_pg else {}
+        for s in over:
+            out[s] = max(cap, estimates.get(s.value, cap))
+        return out, True
+
+    def _state_estimates(self) -> dict[str, int]:
+        """PostgreSQL's estimate of rows per state (``pg_class`` and ``pg_stats``)."""
+        t = self.t.tasks
+        q = text(
+            "SELECT c.reltuples::bigint AS n, s.most_common_vals::text AS vals, "
+            "s.most_common_freqs AS freqs "
+            "FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace "
+            "LEFT JOIN pg_stats s ON s.schemaname = ns.nspname AND s.tablename = c.relname "
+            "AND s.attname = 'state' "
+            "WHERE c.relname = :table AND ns.nspname = coalesce(:schema, current_schema())"
+        ).bindparams(table=t.name, schema=t.schema)
+        row = self._read(lambda conn: conn.execute(q).first())
+        if row is None or row.vals is None or row.freqs is None or row.n is None:
+            return {}
+        values = [v.strip('"') for v in str(row.vals).strip("{}").split(",")]
+        return {v: int(row.n * f) for v, f in zip(values, row.freqs, strict=False)}
+
+    def recent_runtimes(self, window: float, limit: int) -> list[Runtime]:
+        """Durations (``finished_at - started_at`` of the last attempt) of the at most
+        ``limit`` most recent SUCCEEDED and FAILED runs within ``window`` seconds."""
+        t = self.t.tasks
+        q = (
+            select(
+                t.c.name,
+                seconds_between(t.c.finished_at, t.c.started_at).label("seconds"),
+                t.c.max_runtime,
+                t.c.lease_ttl,
+            )
+            .where(
+                text(FINISHED_SQL),
+                t.c.state != literal_column(f"'{State.CANCELLED.value}'"),
+                t.c.finished_at >= after(db_now(), -window),
+                t.c.started_at.is_not(None),
+            )
+            .order_by(t.c.finished_at.desc())
+            .limit(limit)
+        )
+        rows = self._read(lambda conn: conn.execute(q).all())
+        return [
+            Runtime(
+                str(r.name),
+                max(0.0, float(r.seconds)),
+                None if r.max_runtime is None else float(r.max_runtime),
+                float(r.lease_ttl),
+            )
+            for r in rows
+            if r.seconds is not None
+        ]
+
+    def backlog(self) -> list[Backlog]:
+        """PENDING rows per task name with the age of the oldest (the backlog)."""
+        t = self.t.tasks
+        q = (
+            select(
+                t.c.name,
+                func.count(),
+                seconds_between(db_now(), func.min(t.c.created_at)),
+            )
+            .where(t.c.state == literal_column(f"'{State.PENDING.value}'"))
+            .group_by(t.c.name)
+        )
+
+        def read(conn: Connection) -> list[Any]:
+            return list(conn.execute(q).all())
+
+        return [
+            Backlog(str(n), int(c), max(0.0, float(age or 0.0))) for n, c, age in self._read(read)
+        ]

@@ -1,12 +1,37 @@
-"""Plain values exchanged between the store and its callers."""
+"""The values the store and its callers exchange: plain, frozen, no I/O.
+
+What a caller hands in (a row to insert, a lease, an outcome, a filter) and what it
+gets back (a claim or a refusal, rows to publish, expiries, records of the health
+figures, totals), and the executor protocol a caller's own connection implements.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
+
+from sqlalchemy import Executable, Row
 
 from ..states import State
+
+
+@dataclasses.dataclass(frozen=True)
+class TransitionEvent:
+    """A committed state change, handed to the store's listeners after the commit."""
+
+    task_id: str
+    name: str | None
+    from_state: State | None
+    to_state: State
+    reason: str
+    actor: str
+    attempt: int
+
+
+#: Called once per committed transaction with the transitions it made.
+Listener = Callable[[Sequence[TransitionEvent]], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,3 +200,209 @@ class Peer:
     heartbeat_age: float
     #: Its last heartbeat as the database stores it (to see whether it moves).
     heartbeat_at: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedStep:
+    """A step as a re-run finds it."""
+
+    state: str
+    result: str | None
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One execution's own outcome, as :meth:`Store.finish` takes it."""
+
+    lease: Lease
+    to: State
+    reason: str
+    result: str | None = None
+    error: str | None = None
+    #: A retry (``to`` RETRY_WAIT): seconds until it is due, and its message as Celery
+    #: built it (stored in the row, its outbox).
+    delay: float = 0.0
+    message: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinedSubmission:
+    """A row written in a caller's open transaction (see ``Store.submit_joined``)."""
+
+    task_id: str
+    #: ``False``: a row with that id or dedup key existed; nothing was written.
+    created: bool
+    #: To hand to ``Store.announce`` once the caller's transaction committed.
+    events: tuple[TransitionEvent, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Filter:
+    """Which tasks a bulk action takes; every field given must match."""
+
+    state: State | None = None
+    name: str | None = None
+    #: Text the row's last reason contains (case-sensitive substring).
+    reason_contains: str | None = None
+    #: The owner of the latest attempt: a worker's node name or incarnation id.
+    worker: str | None = None
+    #: Seconds since the task was submitted, at least.
+    older_than: float | None = None
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """One row a filter selected, as it was when read."""
+
+    id: str
+    name: str
+    state: State
+    reason: str | None
+    created_at: datetime
+    has_args: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause:
+    """A queue or task name paused now."""
+
+    kind: str
+    target: str
+    actor: str
+    reason: str
+    paused_at: datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class PauseEvent:
+    """One pause or resume, from the pauses' audit log."""
+
+    kind: str
+    target: str
+    action: str
+    actor: str
+    reason: str
+    at: datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Tasks of one name that finished in one state within the window."""
+
+    name: str
+    state: State
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """One recent run: its duration and the limits its row carried."""
+
+    name: str
+    seconds: float
+    max_runtime: float | None
+    lease_ttl: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Backlog:
+    """PENDING rows of one task name and how long the oldest has waited."""
+
+    name: str
+    pending: int
+    oldest_age: float
+
+
+@dataclasses.dataclass(frozen=True)
+class InvariantPage:
+    """What the invariant checker reads of one page of tasks, in one snapshot.
+
+    ``tasks`` rows carry the task's own columns (``id``, ``state``, ``attempt``,
+    ``token``, ``owner``, ``reason``), the owner's ``nodename`` and one boolean per
+    liveness deadline passed (``dead_owner``, ``unpublished``, ``republish_overdue``,
+    ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``); ``audits`` and
+    ``steps`` are the pages' audit and step rows, ordered by task."""
+
+    tasks: list[Row[Any]]
+    audits: list[Row[Any]]
+    steps: list[Row[Any]]
+
+
+_Pair = tuple[str | None, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold:
+    """What one fold did (see :meth:`Store.fold_transitions`)."""
+
+    #: Audit rows added to the totals.
+    rows: int
+    #: The watermark after the fold.
+    upto: int
+    #: Settled rows above the watermark remain: fold again.
+    more: bool
+    #: Another reaper held the watermark: this one did nothing (``upto`` is then 0).
+    held: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    """Transition counts as of one snapshot (see :meth:`Store.transition_totals`)."""
+
+    #: Audit rows by ``(from_state, to_state)`` (``from_state`` ``None``: a creation):
+    #: the folded totals plus the rows counted above the watermark.
+    counts: dict[_Pair, int]
+    #: The watermark: every audit row up to this id is in the folded totals.
+    upto: int
+    #: Audit ids up to this one are counted (the watermark plus the tail read).
+    counted_upto: int
+    #: The highest audit id (0: no audit row).
+    top: int
+
+    @property
+    def lag(self) -> int:
+        """Audit ids above the watermark: what the reaper has yet to fold (ids, so a
+        sequence's gaps make it an upper bound on rows)."""
+        return max(0, self.top - self.upto)
+
+    @property
+    def uncounted(self) -> int:
+        """Audit ids above what this read counted (0 unless the tail was capped)."""
+        return max(0, self.top - self.counted_upto)
+
+
+class Rows(Protocol):
+    """What the store reads of an executed statement (a SQLAlchemy ``Result`` has it)."""
+
+    @property
+    def rowcount(self) -> int:
+        """Rows the statement matched (an UPDATE or DELETE)."""
+        ...
+
+    def scalar(self) -> Any:
+        """The first column of the first row, or ``None`` when there is no row."""
+        ...
+
+    def first(self) -> Any:
+        """The first row (its columns by position and by name), or ``None``."""
+        ...
+
+    def all(self) -> Sequence[Any]:
+        """Every row."""
+        ...
+
+
+class Executor(Protocol):
+    """Runs one statement with its bind parameters, in whatever transaction it is in.
+
+    ``statement`` is built by the store with bind parameters (``bindparam("b_id")``)
+    that ``parameters`` fills by name; the executor never commits or rolls back.
+    """
+
+    def execute(
+        self, statement: Executable, parameters: Mapping[str, Any] | None = None, /
+    ) -> Rows: ...

@@ -1,17 +1,26 @@
-"""The lease tables, defined once (SQLAlchemy Core).
+"""The lease tables, defined once (SQLAlchemy Core), and the dialect-aware SQL they are
+written in: database time, interval arithmetic, GREATEST.
 
 ``build(prefix, schema)`` returns the tables for one table prefix and schema;
 the migration steps create exactly these, and a test checks that they agree.
+
+Timestamps are ``timestamptz`` on PostgreSQL and REAL epoch seconds on SQLite
+(SQLite has no time type, and sub-second precision matters for short leases).
+Python sees timezone-aware UTC datetimes on both. Every "now" in a decision is
+:class:`db_now`, evaluated by the database, never a worker's clock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime, timezone
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    DateTime,
     Float,
     Index,
     Integer,
@@ -19,11 +28,156 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
+    case,
     false,
+    func,
+    literal,
+    or_,
     text,
 )
+from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import ColumnElement, FunctionElement
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
-from ._sql import DbTime
+from ..config import MAX_SECONDS
+
+# -- dialect SQL ----------------------------------------------------------------------------
+
+
+class DbTime(TypeDecorator[datetime]):
+    """A point in time: ``timestamptz`` on PostgreSQL, epoch seconds (REAL) on SQLite."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "sqlite":
+            return dialect.type_descriptor(Float())
+        return dialect.type_descriptor(DateTime(timezone=True))
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if dialect.name == "sqlite":
+            return value.timestamp()
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if dialect.name == "sqlite":
+            return datetime.fromtimestamp(float(value), timezone.utc)
+        if isinstance(value, datetime) and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        # the driver's value for a timestamptz column: an aware datetime
+        return cast("datetime | None", value)
+
+
+class db_now(FunctionElement[datetime]):
+    """The database's current time."""
+
+    type = DbTime()
+    inherit_cache = True
+
+
+@compiles(db_now)
+def _now_default(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "CURRENT_TIMESTAMP"
+
+
+@compiles(db_now, "postgresql")
+def _now_pg(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    # statement time, not transaction start: a long sweep transaction must not age its "now"
+    return "statement_timestamp()"
+
+
+@compiles(db_now, "sqlite")
+def _now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    # julianday('now') is stable within one statement and has millisecond precision
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+class after(FunctionElement[datetime]):
+    """``ts + seconds``: a time plus a (possibly fractional, possibly column) number of seconds."""
+
+    type = DbTime()
+    inherit_cache = True
+
+    def __init__(self, ts: ColumnElement[Any], seconds: ColumnElement[Any] | float) -> None:
+        super().__init__(ts, seconds)
+
+
+@compiles(after)
+def _after_default(element: after, compiler: SQLCompiler, **kw: Any) -> str:
+    ts, seconds = list(element.clauses)
+    return f"({compiler.process(ts, **kw)} + {compiler.process(seconds, **kw)})"
+
+
+@compiles(after, "postgresql")
+def _after_pg(element: after, compiler: SQLCompiler, **kw: Any) -> str:
+    ts, seconds = list(element.clauses)
+    # clamped to the longest duration a setting or option may take: a row written
+    # unchecked (an older version, a hand edit) with 1e300, Infinity or NaN seconds
+    # would otherwise fail the whole statement ("interval out of range") and stop the
+    # sweep for every row (PostgreSQL orders NaN above every number: it clamps high)
+    return (
+        f"({compiler.process(ts, **kw)} + GREATEST(LEAST("
+        f"CAST({compiler.process(seconds, **kw)} AS DOUBLE PRECISION), {MAX_SECONDS!r}), "
+        f"{-MAX_SECONDS!r}) * INTERVAL '1 second')"
+    )
+
+
+class seconds_between(FunctionElement[float]):
+    """``later - earlier`` in seconds (float)."""
+
+    type = Float()
+    inherit_cache = True
+
+    def __init__(self, later: ColumnElement[Any], earlier: ColumnElement[Any]) -> None:
+        super().__init__(later, earlier)
+
+
+@compiles(seconds_between)
+def _between_default(element: seconds_between, compiler: SQLCompiler, **kw: Any) -> str:
+    later, earlier = list(element.clauses)
+    return f"({compiler.process(later, **kw)} - {compiler.process(earlier, **kw)})"
+
+
+@compiles(seconds_between, "postgresql")
+def _between_pg(element: seconds_between, compiler: SQLCompiler, **kw: Any) -> str:
+    later, earlier = list(element.clauses)
+    return (
+        f"EXTRACT(EPOCH FROM ({compiler.process(later, **kw)} - "
+        f"{compiler.process(earlier, **kw)}))::double precision"
+    )
+
+
+class greatest(FunctionElement[Any]):
+    """The larger of two values (``GREATEST`` on PostgreSQL, scalar ``max`` on SQLite)."""
+
+    inherit_cache = True
+
+    def __init__(self, a: ColumnElement[Any], b: ColumnElement[Any]) -> None:
+        super().__init__(a, b)
+        self.type = a.type
+
+
+@compiles(greatest)
+def _greatest_default(element: greatest, compiler: SQLCompiler, **kw: Any) -> str:
+    a, b = list(element.clauses)
+    return f"GREATEST({compiler.process(a, **kw)}, {compiler.process(b, **kw)})"
+
+
+@compiles(greatest, "sqlite")
+def _greatest_sqlite(element: greatest, compiler: SQLCompiler, **kw: Any) -> str:
+    a, b = list(element.clauses)
+    return f"max({compiler.process(a, **kw)}, {compiler.process(b, **kw)})"
+
+
+# -- the tables -----------------------------------------------------------------------------
 
 #: The schema version these definitions describe; migrations bring a database here.
 SCHEMA_VERSION = 8
@@ -293,4 +447,56 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         transition_totals,
         transition_watermark,
         purged,
+    )
+
+
+# -- conditions several operations share (each written once) ----------------------------
+
+
+def lease_expired(tables: Tables) -> ColumnElement[bool]:
+    """A RUNNING row's lease has expired: its owner is unknown, stopped, or silent for
+    longer than the row's TTL (the row joined to its owner's worker row)."""
+    t, w = tables.tasks, tables.workers
+    return or_(
+        w.c.id.is_(None),
+        w.c.stopped_at.is_not(None),
+        after(w.c.heartbeat_at, t.c.lease_ttl) < db_now(),
+    )
+
+
+def published_by(tables: Tables, origin: str | None) -> ColumnElement[bool]:
+    """A row the app of broker ``origin`` may publish: one of its own broker, or one that
+    records none (written before rows recorded it, or by an app whose broker is
+    unknown). Another app's row goes to that app's broker, by that app's reaper."""
+    t = tables.tasks
+    if origin is None:
+        return t.c.origin.is_(None)
+    return or_(t.c.origin.is_(None), t.c.origin == origin)
+
+
+def never_published(tables: Tables, grace: float) -> ColumnElement[bool]:
+    """A PENDING row never marked published within ``grace`` seconds (the reaper's
+    ``lease_publish_grace``, plus the checker's slack)."""
+    t = tables.tasks
+    return and_(t.c.published_at.is_(None), after(t.c.updated_at, grace) < db_now())
+
+
+def message_lost(tables: Tables, republish_after: float, slack: float = 0.0) -> ColumnElement[bool]:
+    """A PENDING row published but not claimed within ``republish_after`` seconds,
+    doubled per publish and capped at 64 times (plus ``slack`` seconds, the checker's):
+    a long backlog, which looks like a lost message, is duplicated a few times, not
+    flooded."""
+    t = tables.tasks
+    backoff = case(
+        (t.c.publish_count <= 1, literal(1)),
+        (t.c.publish_count >= 7, literal(64)),
+        else_=literal(1).op("<<")(t.c.publish_count - 1),
+    )
+    return and_(
+        t.c.published_at.is_not(None),
+        after(
+            greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
+            literal(republish_after) * backoff + slack,
+        )
+        < db_now(),
     )

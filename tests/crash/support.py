@@ -244,7 +244,7 @@ class LeasedProject:
     def reaper_lock(self) -> str:
         """The name of the lock this project's embedded reapers take (one per broker)."""
         from celery_lease.config import broker_origin
-        from celery_lease.store._base import reaper_lock_name
+        from celery_lease.store._sweeps import reaper_lock_name
 
         return reaper_lock_name(broker_origin(self.project.broker_url))
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from celery_lease import State, StoreUnavailable, SubmissionOutcomeUnknown, reap
 
-from ..helpers import wait_until
+from ..helpers import flush_published, wait_until
 from .faults import TcpProxy, pg_sessions_from, proxy_to_postgres, subprocess_env
 from .support import CLEAN_RUN, LeaseEnv, Stopwatch, pg_only, released, report
 
@@ -302,7 +302,7 @@ def test_a_submission_the_database_gets_after_the_call_gave_up_writes_nothing(
 
         # ok's "published" mark recorded now: the one pooled connection is idle, and the
         # next submit sends its INSERT on it (a new connection would not get that far)
-        runtime(p.module.app).store.flush_published()
+        flush_published(runtime(p.module.app).store)
 
         proxy.blackhole()
         task_id = "late-arrival-1"
@@ -345,7 +345,7 @@ def test_a_submission_whose_answer_is_lost_runs_once_when_retried_with_its_id(
         ok = p.submit("t.add", 1, 2)
         from celery_lease._runtime import runtime
 
-        runtime(p.module.app).store.flush_published()  # the pooled connection is idle
+        flush_published(runtime(p.module.app).store)  # the pooled connection is idle
 
         proxy.hold_answers()
         task_id = "answer-lost-1"

@@ -21,7 +21,7 @@ from sqlalchemy import insert, update
 from celery_lease.check import KINDS, Violation, check, summarize
 from celery_lease.states import State
 from celery_lease.store import Claim, Lease, NewTask, Store
-from celery_lease.store._sql import db_now
+from celery_lease.store.schema import db_now
 
 from ..helpers import lease_settings, wait_until
 

@@ -16,7 +16,7 @@ from sqlalchemy.schema import CreateSchema
 from celery_lease import State
 from celery_lease.exceptions import SchemaOutOfDate, StoreError
 from celery_lease.store import SCHEMA_VERSION, NewTask, build
-from celery_lease.store._sql import db_now
+from celery_lease.store.schema import db_now
 
 from ..conftest import drop_pg_schema
 from ..helpers import migrate_in_process

@@ -17,10 +17,10 @@ import pytest
 
 from celery_lease import State, admin
 from celery_lease._runtime import runtime
-from celery_lease.store._pauses import HELD
+from celery_lease.store._operator import HELD
 
 from ..crash.support import LeasedProject, LeaseEnv, queue_depth
-from ..helpers import wait_until
+from ..helpers import flush_published, wait_until
 
 FAST = {"heartbeat_interval": 0.2, "ttl": 2.0, "reaper_interval": 0.2, "publish_grace": 0.5}
 
@@ -136,7 +136,7 @@ def test_a_paused_queue_is_not_consumed_even_by_a_restarted_worker(
     p.wait_log(worker, rf"queue {queue} is paused: no longer consumed")
     wait_until(lambda: active_queues(p, worker.nodename) == [], timeout=30, message="cancelled")
     task_id = p.submit("t.add", 1, 2)
-    runtime(p.module.app).store.flush_published()  # recorded as published now
+    flush_published(runtime(p.module.app).store)  # recorded as published now
     assert queue_depth(broker_url, queue) == 1  # the message waits in the broker
     assert p.get(task_id).state is State.PENDING
 

@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 from celery_lease import ConfigurationError, State, StoreError
 from celery_lease.config import LeaseConfig
 from celery_lease.store import Store
-from celery_lease.store._redact import safe_url
+from celery_lease.store._db import safe_url
 
 from ..helpers import WorkerProject, wait_until
 

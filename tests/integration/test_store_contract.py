@@ -26,7 +26,7 @@ from celery_lease.exceptions import IllegalTransition, TaskNotFound
 from celery_lease.states import State
 from celery_lease.store import Claim, Lease, NewTask, Refusal, Store
 
-from ..helpers import check_audit, submit_in_process, wait_until
+from ..helpers import check_audit, discard_unpublished, submit_in_process, wait_until
 
 S = State
 
@@ -198,8 +198,8 @@ def test_mark_published_and_discard_unpublished(store):
     assert store.get(published).published_at is not None
     assert store.get(unpublished).published_at is None
 
-    store.discard_unpublished(published)  # published: must stay
-    store.discard_unpublished(unpublished)
+    discard_unpublished(store, published)  # published: must stay
+    discard_unpublished(store, unpublished)
     assert store.get(published) is not None
     assert store.get(unpublished) is None and store.history(unpublished) == []
 

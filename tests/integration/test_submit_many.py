@@ -21,7 +21,7 @@ import celery_lease
 from celery_lease import InvalidSubmission, NotSerializable, State, Submitted
 from celery_lease._runtime import runtime
 from celery_lease.store import NewTask, Store
-from celery_lease.store._submit_many import BATCH_SIZE
+from celery_lease.store._submit import BATCH_SIZE
 
 from ..crash.support import LeaseEnv, queue_depth
 from ..helpers import wait_until

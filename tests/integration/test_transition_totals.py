@@ -22,7 +22,7 @@ from celery_lease.config import TUNING_ENV
 from celery_lease.metrics import TransitionTotals, registry
 from celery_lease.store import Fold, Store
 
-from ..helpers import wait_until
+from ..helpers import discard_unpublished, wait_until
 from .test_cli_support import close_ops, make_ops
 from .test_retention import aged, finished
 from .test_store_contract import recover, running, submit
@@ -127,7 +127,7 @@ def test_a_purge_before_folding_counts_the_deleted_rows_once(store: Store) -> No
 def test_a_discarded_submission_is_still_counted_once(store: Store) -> None:
     task_id = submit(store)
     assert store.transition_totals().counts == {(None, "PENDING"): 1}
-    store.discard_unpublished(task_id)
+    discard_unpublished(store, task_id)
     assert store.get(task_id) is None
     fold_all(store)
     assert store.transition_totals().counts == {(None, "PENDING"): 1}

@@ -1,12 +1,27 @@
-"""Submission: the new row with its creation audit row, and recording that its message
-was published."""
+"""Submission: new PENDING rows (one, or many in one statement per batch) with their
+creation audit rows, the run that replaces a finished one, and recording that their
+messages were published.
+
+One row: on PostgreSQL one autocommit statement writes the row, its audit row, the
+"published" marks waiting in this process and answers the dedup question, and writes
+nothing if it reaches the database after the call's deadline. Many rows (what
+``LeasedTask.submit_many``, ``celery_lease.bulk()`` and a group of leased tasks write
+before they publish): up to ``batch_size`` per transaction, then the ids of those that
+already existed (a duplicate dedup key or id) in one more read. On PostgreSQL a batch
+is one ``INSERT ... SELECT FROM json_to_recordset(...)`` (the batch's rows as one JSON
+document bound as one parameter, so the statement text is the same for every batch and
+psycopg prepares it once; one document costs the client far less than a text array per
+column) with the audit rows inserted by a data-modifying CTE over the inserted rows;
+on SQLite the single-row statement run as an executemany, which SQLAlchemy sends as
+multi-row ``INSERT ... VALUES`` pages. Either way the row is written before its
+message is published.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import time
+import functools
+import json
 from collections.abc import Sequence
-from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -20,38 +35,33 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    case,
+    cast,
+    column,
     delete,
     exc,
     func,
-    insert,
     literal,
-    null,
     or_,
     select,
     update,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import JSON
 
 from ..config import LeaseConfig
 from ..exceptions import StoreError, StoreUnavailable, SubmissionOutcomeUnknown
 from ..states import Actor, State
-from . import _engine
-from ._base import TransitionEvent, state_is
-from ._deadline import WATCHDOG
-from ._executor import Executor
-from ._marks import PublishedMarks
-from ._sql import after, db_now
-from ._totals import TotalsMixin
-from ._types import NewTask
+from ._base import StoreBase, state_is, wrap
+from ._db import DbClock
+from ._outbox import PublishedMarks
+from ._types import Executor, JoinedSubmission, Lease, NewTask, TransitionEvent
+from .schema import after, db_now
 
 #: Statements a submission tries when its insert conflicts with a row that its snapshot
 #: cannot see (committed meanwhile, or purged meanwhile).
 _CONFLICT_TRIES = 5
-#: A reading of the database's clock is taken again after this many seconds.
-_CLOCK_SAMPLE_MAX_AGE = 60.0
-#: How much the database's clock and this process's monotonic clock may differ in rate
-#: (1000 ppm, generous: NTP keeps both far closer), taken off a submission's deadline.
-_CLOCK_DRIFT = 1e-3
+
 
 #: Columns of a new row taken from :class:`NewTask` (bound as ``b_<name>``).
 _SUBMIT = (
@@ -74,25 +84,16 @@ _SUBMIT = (
 #: The reason of a finished row's new run (a new submission of its task id).
 RESUBMITTED = "resubmitted: a new run of the same task id"
 
+
 #: The reason of a run ended by ``Task.replace()`` (followed by what replaced it): the
 #: row hands its task id over to the replacement's submission, even a re-sent one.
 REPLACED = "replaced: the task id's result is its replacement's"
+
 
 #: The finished states whose row a new submission of the same task id replaces (the
 #: rest are live, or CANCELLED: a re-sent id is dropped, as Celery's worker drops a
 #: revoked one).
 REOPENABLE: tuple[State, ...] = (State.SUCCEEDED, State.FAILED)
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinedSubmission:
-    """A row written in a caller's open transaction (see ``Store.submit_joined``)."""
-
-    task_id: str
-    #: ``False``: a row with that id or dedup key existed; nothing was written.
-    created: bool
-    #: To hand to ``Store.announce`` once the caller's transaction committed.
-    events: tuple[TransitionEvent, ...]
 
 
 def _submit_params(new: NewTask) -> dict[str, Any]:
@@ -102,13 +103,46 @@ def _submit_params(new: NewTask) -> dict[str, Any]:
     return params
 
 
-class ProducerMixin(TotalsMixin):
+def _json_row(new: NewTask, n: int) -> dict[str, Any]:
+    row: dict[str, Any] = {c: getattr(new, c) for c, _ in _FIELDS[:-2]}
+    row["eta"] = None if new.eta is None else new.eta.isoformat()
+    row["n"] = n
+    return row
+
+
+#: The columns of a PostgreSQL batch's JSON rows, with their SQL types.
+_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("id", String),
+    ("name", String),
+    ("dedup_key", String),
+    ("args", Text),
+    ("kwargs", Text),
+    ("options", Text),
+    ("message", Text),
+    ("lease_ttl", Float),
+    ("max_runtime", Float),
+    ("max_retries", Integer),
+    ("on_timeout", String),
+    ("on_exhausted", String),
+    ("max_recoveries", Integer),
+    ("countdown", Float),
+    ("eta", DateTime(timezone=True)),
+    ("n", Integer),  # the row's place in the batch
+)
+
+
+#: Rows per statement: well under SQLite's and PostgreSQL's bound-parameter limits.
+BATCH_SIZE = 500
+
+
+class Submission(StoreBase):
+    """Writing new rows, one or many; recording their messages published."""
+
     def __init__(self, config: LeaseConfig) -> None:
         super().__init__(config)
         self._marks = PublishedMarks(self.mark_published)
-        #: The database's clock as last read, and this process's monotonic time when
-        #: that answer arrived (see :meth:`_db_deadline`).
-        self._db_clock: tuple[datetime, float] | None = None
+        #: The database's clock, for the deadline of a submission in database time.
+        self._db_clock = DbClock()
 
     def submit(self, new: NewTask, conn: Executor | None = None) -> tuple[str, bool]:
         """Insert a PENDING row; returns (task id, created). A duplicate dedup key or id
@@ -157,7 +191,7 @@ class ProducerMixin(TotalsMixin):
     ) -> tuple[str, bool]:
         """PostgreSQL's :meth:`submit`: row, audit row, waiting "published" marks and
         the dedup answer in one autocommit statement, which writes nothing if it runs
-        after the call's deadline (see :meth:`_db_deadline`).
+        after the call's deadline (see :meth:`DbClock.deadline`).
 
         Raises:
             SubmissionOutcomeUnknown: the database stopped answering after the statement
@@ -169,10 +203,10 @@ class ProducerMixin(TotalsMixin):
 
         def once(conn: Connection, is_retry: bool) -> tuple[str, bool] | None:
             nonlocal sent
-            deadline = self._db_deadline(conn)
+            deadline = self._db_clock.deadline(conn, self.config.db_timeout)
             sent = True
             row = conn.execute(stmt, {**params, "b_marks": marks, "b_deadline": deadline}).one()
-            self._db_clock = (row.db_clock, time.monotonic())
+            self._db_clock.saw(row.db_clock)
             if row.created is not None:
                 self._record_event(
                     TransitionEvent(
@@ -222,31 +256,6 @@ class ProducerMixin(TotalsMixin):
             return new.id, True
         return tid, created
 
-    def _db_deadline(self, conn: Connection) -> datetime:
-        """The calling store call's deadline in database time, a little early.
-
-        The database's clock is read once (``clock_timestamp()``, returned by every
-        submit statement as well) together with this process's monotonic time when the
-        answer arrived; the deadline is that reading plus the monotonic time from then
-        to the call's deadline. The reading was taken before the answer arrived, so in
-        database time the result is never later than the moment the call gives up (the
-        two clocks' rates may differ by :data:`_CLOCK_DRIFT` at most, taken off; a
-        step of the server's clock during the call is not allowed for). A reading older
-        than :data:`_CLOCK_SAMPLE_MAX_AGE` is taken again, in one more round trip.
-        """
-        left = WATCHDOG.remaining()
-        if left is None:
-            left = self.config.db_timeout
-        now = time.monotonic()
-        sample = self._db_clock
-        if sample is None or now - sample[1] > _CLOCK_SAMPLE_MAX_AGE:
-            read = conn.execute(select(func.clock_timestamp())).scalar_one()
-            now = time.monotonic()
-            sample = self._db_clock = (read, now)
-        db_time, seen = sample
-        span = max(0.0, now + left - seen)
-        return db_time + timedelta(seconds=span * (1.0 - _CLOCK_DRIFT))
-
     def _reopen(self, conn: Executor, new: NewTask) -> bool:
         """A new submission of a finished task's id (no dedup key asked for) is a new
         run, as Celery runs a re-sent id again: the finished row (SUCCEEDED or FAILED)
@@ -293,10 +302,160 @@ class ProducerMixin(TotalsMixin):
         try:
             tid, created = self.submit(new, conn=conn)
         except exc.SQLAlchemyError as error:
-            raise _engine.wrap(error, self.url) from error
+            raise wrap(error, self.url) from error
         finally:
             local.events = saved
         return JoinedSubmission(tid, created, tuple(events))
+
+    # -- many rows, and the run Task.replace() ends ----------------------------------------
+
+    def submit_many(
+        self, rows: Sequence[NewTask], *, batch_size: int = BATCH_SIZE
+    ) -> list[tuple[str, bool]]:
+        """Insert PENDING rows, ``batch_size`` per statement and transaction; for each
+        row in order, (task id, created). A duplicate dedup key or id (also one earlier
+        in ``rows``: the first wins) gives the existing row's id with ``created=False``,
+        except a new submission of a finished task's id without a dedup key: a fresh
+        row replaces the finished one (``created=True``, see :meth:`submit`).
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        out: list[tuple[str, bool]] = []
+        sent = False
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+
+            def write(
+                conn: Connection, is_retry: bool, chunk: Sequence[NewTask] = chunk
+            ) -> list[tuple[str, bool]]:
+                nonlocal sent
+                # PostgreSQL: the batch may commit without its answer reaching us.
+                # SQLite: a failed batch wrote nothing, but earlier batches are written
+                sent = sent or self.is_pg or bool(out)
+                return self._submit_chunk(conn, chunk, is_retry)
+
+            try:
+                out.extend(self._tx(write))
+            except StoreUnavailable as error:
+                if not sent:
+                    raise
+                raise SubmissionOutcomeUnknown(
+                    [new.id for new in rows],
+                    f"{len(rows)} tasks: submission outcome unknown: {error}; some or all of "
+                    "their rows may have been written (then the reaper publishes them): "
+                    "retry with the same task ids or dedup keys",
+                ) from error
+        return out
+
+    def replace(
+        self, lease: Lease, rows: Sequence[NewTask], *, actor: str, reason: str
+    ) -> list[tuple[str, bool]] | None:
+        """``Task.replace()``: the replaced run's outcome and its replacement's rows, one
+        transaction. The run ends SUCCEEDED (fenced by attempt and token; Celery records
+        nothing for a replaced task, its id's result is the replacement's), then the rows
+        are written as :meth:`submit_many` writes them: one with the replaced task's own
+        id is a fresh row in place of the replaced run's. ``None``: the lease was lost,
+        nothing written.
+        """
+
+        def op(conn: Connection, is_retry: bool) -> list[tuple[str, bool]] | None:
+            ended = self._move(
+                conn,
+                self._fenced(lease),
+                State.RUNNING,
+                State.SUCCEEDED,
+                reason=reason,
+                actor=actor,
+                values={"finished_at": db_now()},
+            )
+            if not ended:
+                # lost; or a first try that committed and whose answer was lost (its rows
+                # are PENDING and not marked published: the reaper publishes them)
+                return None
+            return self._submit_chunk(conn, rows, is_retry) if rows else []
+
+        return self._tx(op)
+
+    def _submit_chunk(
+        self, conn: Connection, rows: Sequence[NewTask], is_retry: bool
+    ) -> list[tuple[str, bool]]:
+        created: set[str] = set()
+        if self.is_pg:
+            stmt = self._prepared("submit_many", self._submit_many_pg)
+            doc = json.dumps([_json_row(new, i) for i, new in enumerate(rows)])
+            created.update(str(i) for i in conn.execute(stmt, {"b_rows": doc}).scalars())
+            self._announce_submitted(rows, created)
+            return self._answer(conn, rows, created, is_retry)
+        # the single-row statements of submit(), built once and run as executemany:
+        # SQLAlchemy sends each as multi-row INSERT ... VALUES pages ("insertmanyvalues")
+        for countdown in (False, True):
+            params = [_submit_params(n) for n in rows if (n.countdown is not None) is countdown]
+            if not params:
+                continue
+            stmt = self._prepared(
+                ("submit", countdown), functools.partial(self._submit_insert, countdown)
+            )
+            created.update(str(i) for i in conn.execute(stmt, params).scalars())
+        if created:
+            audit = [
+                {
+                    "b_task_id": new.id,
+                    "b_from": None,
+                    "b_to": State.PENDING.value,
+                    "b_reason": "submitted",
+                    "b_actor": Actor.PRODUCER.value,
+                    "b_attempt": 0,
+                }
+                for new in rows
+                if new.id in created
+            ]
+            conn.execute(self._prepared("audit", self._audit_insert), audit)
+            self._announce_submitted(rows, created)
+        return self._answer(conn, rows, created, is_retry)
+
+    def _announce_submitted(self, rows: Sequence[NewTask], created: set[str]) -> None:
+        """The ``None -> PENDING`` transitions of the rows created, for the listeners."""
+        for new in rows:
+            if new.id in created:
+                self._record_event(
+                    TransitionEvent(
+                        new.id, new.name, None, State.PENDING, "submitted", Actor.PRODUCER.value, 0
+                    )
+                )
+
+    def _answer(
+        self, conn: Connection, rows: Sequence[NewTask], created: set[str], is_retry: bool
+    ) -> list[tuple[str, bool]]:
+        """Each row's (task id, created), the rows not created looked up."""
+        t = self.t.tasks
+        others = [new for new in rows if new.id not in created]
+        if not others:
+            return [(new.id, True) for new in rows]
+        ids = [new.id for new in others]
+        keys = [new.dedup_key for new in others if new.dedup_key is not None]
+        found = conn.execute(
+            select(t.c.id, t.c.dedup_key).where(
+                or_(t.c.id.in_(ids), t.c.dedup_key.in_(keys)) if keys else t.c.id.in_(ids)
+            )
+        ).all()
+        by_id = {str(r.id) for r in found}
+        by_key = {r.dedup_key: str(r.id) for r in found if r.dedup_key is not None}
+        answer: list[tuple[str, bool]] = []
+        for new in rows:
+            if new.id in created:
+                answer.append((new.id, True))
+            elif new.dedup_key is not None and new.dedup_key in by_key:
+                existing = by_key[new.dedup_key]
+                # a try whose commit went through but whose answer was lost wrote it
+                answer.append((existing, is_retry and existing == new.id))
+            elif new.id in by_id:
+                # a new submission of a finished task's id is a new run (a fresh row)
+                answer.append((new.id, is_retry or self._reopen(conn, new)))
+            else:  # the conflicting row was purged meanwhile: write it on its own
+                answer.append(self._submit_chunk(conn, [new], is_retry)[0])
+        return answer
+
+    # -- statements ------------------------------------------------------------------------
 
     def _submit_insert(self, countdown: bool, deadline: Any = None) -> Any:
         """INSERT of one new row; with ``deadline`` (PostgreSQL: a timestamp bind
@@ -347,26 +506,6 @@ class ProducerMixin(TotalsMixin):
             .limit(1)
         )
 
-    def _submitted_audit(self, inserted: Any) -> Any:
-        """PostgreSQL: the ``None -> PENDING`` audit rows of the rows a CTE inserted,
-        as CTE ``audit``."""
-        return (
-            insert(self.t.transitions)
-            .from_select(
-                ["task_id", "from_state", "to_state", "reason", "actor", "attempt", "at"],
-                select(
-                    inserted.c.id,
-                    null(),
-                    literal(State.PENDING.value, String),
-                    literal("submitted", Text),
-                    literal(Actor.PRODUCER.value, String),
-                    literal(0, Integer),
-                    db_now(),
-                ),
-            )
-            .cte("audit")
-        )
-
     def _submit_pg(self, countdown: bool) -> Any:
         t = self.t.tasks
         deadline = bindparam("b_deadline", type_=DateTime(timezone=True))
@@ -382,6 +521,35 @@ class ProducerMixin(TotalsMixin):
             (func.clock_timestamp() >= deadline).label("late"),
             func.clock_timestamp().label("db_clock"),
         ).add_cte(self._submitted_audit(inserted), marked.cte("marked"))
+
+    def _submit_many_pg(self) -> Any:
+        """PostgreSQL: a batch of PENDING rows and their audit rows, one statement."""
+        t = self.t.tasks
+        v = (
+            func.json_to_recordset(cast(bindparam("b_rows", type_=Text), JSON))
+            .table_valued(*(column(c, kind) for c, kind in _FIELDS))
+            .render_derived(name="v", with_types=True)
+        )
+        names = [*_SUBMIT, "state", "created_at", "updated_at", "reason", "eta", "origin"]
+        rows = select(
+            *(v.c[c] for c in _SUBMIT),
+            literal(State.PENDING.value, String),
+            db_now(),
+            db_now(),
+            literal("submitted", Text),
+            case((v.c.countdown.is_not(None), after(db_now(), v.c.countdown)), else_=v.c.eta),
+            literal(self.config.origin, String),
+        ).order_by(v.c.n)  # the first of two rows with one id or dedup key wins
+        inserted = (
+            postgresql.insert(t)
+            .from_select(names, rows)
+            .on_conflict_do_nothing()
+            .returning(t.c.id)
+            .cte("inserted")
+        )
+        return select(inserted.c.id).add_cte(self._submitted_audit(inserted))
+
+    # -- published marks -------------------------------------------------------------------
 
     def _mark_statement(self, which: ColumnElement[bool]) -> Any:
         t = self.t.tasks
@@ -413,25 +581,3 @@ class ProducerMixin(TotalsMixin):
         dropped at claim.
         """
         self._marks.add(task_id)
-
-    def flush_published(self) -> None:
-        """Record every row waiting in :meth:`mark_published_soon` now."""
-        self._marks.flush()
-
-    def discard_unpublished(self, task_id: str) -> None:
-        """Delete a row whose message could not be built (nothing was published)."""
-        t, tr = self.t.tasks, self.t.transitions
-
-        def op(conn: Connection, _: bool) -> None:
-            gone = conn.execute(
-                delete(t).where(
-                    t.c.id == task_id,
-                    t.c.state == State.PENDING.value,
-                    t.c.attempt == 0,
-                    t.c.published_at.is_(None),
-                )
-            ).rowcount
-            if gone:
-                self._delete_audit(conn, tr.c.task_id == task_id)
-
-        self._tx(op)

@@ -1,9 +1,10 @@
-"""A caller's SQLAlchemy transaction that a submission joins, and telling its commit.
+"""A submission's transaction seen from outside the store: the caller's transaction
+it joins, and recording "published" after the message went out.
 
-The row is the outbox (DESIGN.md): a committed PENDING row is published, sooner or
-later, by the producer or by the reaper; an uncommitted one never is. What this module
-adds is *when*: a callback runs right after the commit, when a hook tells us the
-commit happened.
+**Joined transactions.** The row is the outbox (DESIGN.md): a committed PENDING row is
+published, sooner or later, by the producer or by the reaper; an uncommitted one never
+is. What joining adds is *when*: a callback runs right after the commit, when a hook
+tells us the commit happened.
 
 * ``Session``: its ``after_commit`` event (checked against the connection, so a
   savepoint release or a session joined to an outer transaction does not count).
@@ -13,21 +14,40 @@ commit happened.
   (its ``commit`` event fires *before* the commit, so publishing from it could send a
   message for a row that then rolls back). Nothing is run; the reaper publishes the row
   instead, once it is committed and older than ``lease_publish_grace``.
+
+**Published marks.** After a producer hands a message to the broker it records
+``published_at`` on the row, so that the reaper does not publish it again after
+``lease_publish_grace``. That record is bookkeeping, not a decision: a row left
+unmarked is re-published by the reaper and the extra message is dropped at claim (the
+row is no longer PENDING, or its claim refuses a second copy). So instead of one
+statement per task, the ids wait in :class:`PublishedMarks` and are recorded in bulk:
+inside the process's next submit statement (no round trip of its own), or by a
+background thread once the oldest id has waited ``delay``, when ``batch`` ids are
+waiting, and at interpreter exit. A producer that dies leaves at most these few rows
+unmarked.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import dataclasses
+import logging
+import os
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session, SessionTransaction, scoped_session
 
-from ..exceptions import ConfigurationError
+from ..exceptions import ConfigurationError, StoreError
 from ._base import StoreBase
+
+logger = logging.getLogger("celery_lease.store")
 
 #: Key of the pending callbacks in ``Session.info``.
 _SESSION_KEY = "celery_lease.outbox"
@@ -230,3 +250,100 @@ def _run_all(pending: Sequence[_Pending]) -> None:
             failure = failure or error
     if failure is not None:
         raise failure
+
+
+# -- published marks ------------------------------------------------------------------
+
+_LIVE: weakref.WeakSet[PublishedMarks] = weakref.WeakSet()
+
+
+class PublishedMarks:
+    """The ids of one store whose messages were published but not yet recorded."""
+
+    def __init__(
+        self, record: Callable[[Sequence[str]], None], *, delay: float = 0.005, batch: int = 500
+    ) -> None:
+        self._record = record
+        self.delay = delay
+        self.batch = batch
+        self._reset()
+        _LIVE.add(self)
+        ref = weakref.ref(self)
+
+        def after_fork() -> None:
+            marks = ref()
+            if marks is not None:
+                marks._reset()  # the parent records its own ids; the child starts empty
+
+        os.register_at_fork(after_in_child=after_fork)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._ids: list[str] = []
+        self._since = 0.0
+        self._thread: threading.Thread | None = None
+        #: Held while ids taken by :meth:`flush` are being recorded: a flush at exit
+        #: waits for the background thread's, or the interpreter would end it midway.
+        self._flushing = threading.Lock()
+
+    def add(self, task_id: str) -> None:
+        """Record ``task_id`` as published soon."""
+        with self._cond:
+            if not self._ids:
+                self._since = time.monotonic()
+                self._cond.notify()
+            self._ids.append(task_id)
+            if len(self._ids) >= self.batch:
+                self._cond.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-lease-published", daemon=True
+                )
+                self._thread.start()
+
+    def take(self) -> list[str]:
+        """Every waiting id, for the caller to record in a statement it sends anyway."""
+        with self._cond:
+            ids, self._ids = self._ids, []
+        return ids
+
+    def put_back(self, ids: Sequence[str]) -> None:
+        """Ids taken with :meth:`take` whose statement failed."""
+        if not ids:
+            return
+        with self._cond:
+            if not self._ids:
+                self._since = time.monotonic()
+                self._cond.notify()
+            self._ids[:0] = ids
+
+    def flush(self) -> None:
+        """Record every waiting id now (after any flush already under way)."""
+        with self._flushing:
+            ids = self.take()
+            if not ids:
+                return
+            try:
+                self._record(ids)
+            except StoreError as error:
+                # harmless: re-published after lease_publish_grace, dropped at claim
+                logger.warning(
+                    "celery-lease: could not mark %d rows published: %s", len(ids), error
+                )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ids:
+                    self._cond.wait()
+                wait = self._since + self.delay - time.monotonic()
+                if wait > 0 and len(self._ids) < self.batch:
+                    self._cond.wait(wait)
+                    continue
+            self.flush()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for marks in list(_LIVE):
+        marks.flush()
