@@ -5,8 +5,8 @@ owning its statements with their single and batch forms:
 
 =====================  ==============================================================
 ``Submission``         ``_submit``: new rows, one or many; the run that replaces a
-                       finished one; "published" marks (their recorder and the
-                       caller's joined transaction: ``_outbox``)
+                       finished one; "published" marks and their recorder; the
+                       caller's transaction a submission joins
 ``Claims``             ``_claim``: claims, one or many; steps, progress, lease checks
 ``Outcomes``           ``_outcome``: outcomes and retries, one or many; follow-ups sent
 ``Sweeps``             ``_sweeps``: the reaper's expiry, re-publishing, backlog and
@@ -53,9 +53,16 @@ from ._claim import Claims
 from ._db import bounded_connection, redact
 from ._operator import KINDS as PAUSE_KINDS
 from ._operator import Operator
-from ._outbox import JoinedTransaction, join_transaction, outbox_transaction
 from ._outcome import Outcomes
-from ._submit import REOPENABLE, REPLACED, RESUBMITTED, Submission
+from ._submit import (
+    REOPENABLE,
+    REPLACED,
+    RESUBMITTED,
+    JoinedTransaction,
+    Submission,
+    join_transaction,
+    outbox_transaction,
+)
 from ._sweeps import Sweeps
 from ._totals import DUPLICATES_DROPPED, PURGED, REPUBLISHED
 from ._types import (
