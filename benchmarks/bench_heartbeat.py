@@ -73,8 +73,8 @@ def insert_running(store: Any, owner: str, n: int) -> None:
 
 def measure_store(ctx: Context, kind: str, schema: str | None, leases: int) -> dict[str, float]:
     from celery_lease._runtime import Incarnation
-    from celery_lease.heartbeat import Heartbeat
     from celery_lease.store import Store
+    from celery_lease.worker.main.heartbeat import Heartbeat
 
     store = Store(lease_config(store_url(kind, ctx, "heartbeat"), schema))
     store.migrate()

@@ -82,7 +82,7 @@ def _reclaim(store: Any, task_id: str) -> Any:
 
 
 def _execution(store: Any, claim: Any) -> Any:
-    from celery_lease._execution import Execution
+    from celery_lease.worker.pool.execution import Execution
 
     # the default heartbeat interval: a boundary reads the row at most every 5 s
     return Execution(store=store, claim=claim, fenced=lambda: False, check_interval=5.0)

@@ -6,7 +6,6 @@ tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 """
 
 from ._runtime import install
-from ._submission import Submitted, bulk
 
 # through the submodule ``admin``: importing it binds ``celery_lease.admin`` to the
 # module, and the function must be bound after that, here, not by a later import
@@ -33,6 +32,7 @@ from .exceptions import (
     TaskFailed,
     TaskNotFound,
 )
+from .producer.submission import Submitted, bulk
 from .reaper import ReapReport, reap
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import TRANSITIONS, State

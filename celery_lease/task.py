@@ -13,15 +13,20 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.result import AsyncResult
 
-from . import _attempt, _follow_ups, _group_batches, _message, _replace, _submission
 from ._crashpoints import crash_point
-from ._execution import Execution
 from ._runtime import install, runtime
-from ._submission import Submitted
 from .config import LeaseConfig, check_seconds
 from .exceptions import ConfigurationError
+from .producer import follow_ups as _follow_ups
+from .producer import group_batches as _group_batches
+from .producer import message as _message
+from .producer import submission as _submission
+from .producer.submission import Submitted
 from .states import State
 from .store import LeaseOptions
+from .worker.pool import attempt as _attempt
+from .worker.pool import replace as _replace
+from .worker.pool.execution import Execution
 
 logger = logging.getLogger("celery_lease")
 
@@ -67,7 +72,7 @@ class LeasedTask(Task[Any, Any]):
     """
 
     abstract = True
-    Request = "celery_lease.worker:LeasedRequest"
+    Request = "celery_lease.worker.main.bootstep:LeasedRequest"
 
     lease_ttl: ClassVar[float | None] = None
     max_runtime: ClassVar[float | None] = None

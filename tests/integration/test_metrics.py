@@ -14,9 +14,9 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_lease import MissingDependencyError, State
-from celery_lease.store import Store
 from celery_lease import metrics as lease_metrics
 from celery_lease.cli import lease
+from celery_lease.store import Store
 
 from ..helpers import WorkerProject, wait_until
 from .test_cli_support import Ops, close_ops, free_port, make_ops, ops_fixture  # noqa: F401

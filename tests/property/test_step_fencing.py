@@ -34,9 +34,9 @@ from hypothesis.stateful import (
 )
 
 from celery_lease import DuplicateStep, LeaseLost, State
-from celery_lease._execution import Execution
 from celery_lease.states import RETRYABLE
 from celery_lease.store import Claim, NewTask, Refusal, Store
+from celery_lease.worker.pool.execution import Execution
 
 MAX_RECOVERIES = 3
 NAMES = st.sampled_from(["load", "charge", "ship", "mail"])

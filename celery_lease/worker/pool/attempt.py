@@ -17,16 +17,15 @@ from typing import Any, Literal
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import _follow_ups, _message, _publisher
-from ._claimer import claimed_ahead
-from ._crashpoints import armed, step_crash_point, worker_crash_point
-from ._execution import Execution, StoreDownDuringTask, encode
-from ._incarnation import Incarnation
-from ._outcome_writer import hand_over
-from ._runtime import Runtime, runtime
-from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
-from .states import State
-from .store import (
+from ..._crashpoints import armed, step_crash_point, worker_crash_point
+from ..._incarnation import Incarnation
+from ..._runtime import Runtime, runtime
+from ...exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
+from ...producer import follow_ups as _follow_ups
+from ...producer import message as _message
+from ...producer import publisher as _publisher
+from ...states import State
+from ...store import (
     DUPLICATES_DROPPED,
     Claim,
     LeaseOptions,
@@ -36,6 +35,9 @@ from .store import (
     Store,
     dumps,
 )
+from ..main.claimer import claimed_ahead
+from ..main.outcome_writer import hand_over
+from .execution import Execution, StoreDownDuringTask, encode
 
 logger = logging.getLogger("celery_lease")
 
@@ -54,7 +56,7 @@ def deliver(task: LeasedTask, options: LeaseOptions, args: tuple[Any, ...], kwar
     rt = runtime(task.app)
     inc = rt.incarnation
     if inc is None:
-        from .worker import start_in_process
+        from ..main.bootstep import start_in_process
 
         inc = start_in_process(rt, req.hostname)
     if inc is None:

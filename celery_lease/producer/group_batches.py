@@ -26,8 +26,8 @@ from typing import Any
 from celery import Celery
 from celery.canvas import Signature, group
 
-from ._runtime import runtime
-from ._submission import bulk, in_bulk
+from .._runtime import runtime
+from .submission import bulk, in_bulk
 
 #: Marks the wrapper, so that installing twice wraps once.
 _MARK = "_celery_lease_batches"

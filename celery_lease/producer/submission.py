@@ -38,13 +38,13 @@ from kombu.exceptions import EncodeError
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.serialization import dumps as kombu_dumps
 
-from . import _message
-from ._crashpoints import crash_point
-from ._limits import check_arguments_size, check_submission
-from ._runtime import Runtime, runtime
-from .config import LeaseConfig
-from .exceptions import InvalidSubmissionValue, NotSerializable
-from .store import Lease, LeaseOptions, NewTask, dumps
+from .._crashpoints import crash_point
+from .._runtime import Runtime, runtime
+from ..config import LeaseConfig
+from ..exceptions import InvalidSubmissionValue, NotSerializable
+from ..store import Lease, LeaseOptions, NewTask, dumps
+from . import message as _message
+from .limits import check_arguments_size, check_submission
 
 #: apply_async options kept in the row so that a re-published message is routed the same way.
 _ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
@@ -213,7 +213,7 @@ def submit(
             batch.add(new, outgoing)
             return outgoing.result
     if connection is not None:
-        from ._outbox import submit_in_transaction
+        from .outbox import submit_in_transaction
 
         return submit_in_transaction(
             task, rt, new, connection, lambda: publish(task, rt, outgoing, producer)

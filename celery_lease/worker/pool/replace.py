@@ -31,10 +31,10 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore
 
-from . import _submission
-from ._execution import Execution
-from ._runtime import runtime
-from .store import REPLACED
+from ..._runtime import runtime
+from ...producer import submission as _submission
+from ...store import REPLACED
+from .execution import Execution
 
 logger = logging.getLogger("celery_lease")
 

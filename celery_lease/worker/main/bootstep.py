@@ -22,17 +22,19 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from . import _claimer, _publisher, _stores  # noqa: F401  (registers the lease_store remote-control command)
-from ._apps import AppRegistry
-from ._execution import StoreDownDuringTask
-from ._node_names import dead_predecessors, pid_gone
-from ._outcome_writer import OutcomeWriter, writer_config
-from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
-from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
+from ..._apps import AppRegistry
+from ..._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
+from ...exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
+from ...pause import QueueWatcher, consumer_controls
+from ...producer import publisher as _publisher
+from ...reaper import Reaper
+from ...store import Store
+from ..pool.execution import StoreDownDuringTask
+from . import claimer as _claimer
+from . import stores as _stores  # noqa: F401  (registers the lease_store remote-control command)
 from .heartbeat import Heartbeat, renewal_config
-from .pause import QueueWatcher, consumer_controls
-from .reaper import Reaper
-from .store import Store
+from .node_names import dead_predecessors, pid_gone
+from .outcome_writer import OutcomeWriter, writer_config
 
 logger = logging.getLogger("celery_lease.worker")
 

@@ -17,9 +17,10 @@ from celery import Celery
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import loads as json_loads
 
-from . import _message, notify
-from ._broker import PUBLISH_RETRY
-from .store import Publishable, Store
+from .. import notify
+from .._broker import PUBLISH_RETRY
+from ..store import Publishable, Store
+from . import message as _message
 
 logger = logging.getLogger("celery_lease.publish")
 

@@ -50,11 +50,11 @@ from celery import Celery
 from celery.concurrency import prefork
 from celery.worker import state as worker_state
 
-from ._apps import AppRegistry
-from ._incarnation import Incarnation
-from ._runtime import Runtime
-from .exceptions import StoreError
-from .store import Claim, Lease
+from ..._apps import AppRegistry
+from ..._incarnation import Incarnation
+from ..._runtime import Runtime
+from ...exceptions import StoreError
+from ...store import Claim, Lease
 
 logger = logging.getLogger("celery_lease.worker")
 

@@ -40,8 +40,8 @@ from typing import Any
 
 from celery import Celery, group, signature, states
 
-from ._message import request_context
-from .store import FollowUps, Store
+from ..store import FollowUps, Store
+from .message import request_context
 
 logger = logging.getLogger("celery_lease")
 
@@ -237,7 +237,7 @@ def _replay_one(app: Celery, row: FollowUps) -> None:
     result = json.loads(row.result) if row.result is not None else None
     # the same messages again, not new submissions: a follow-up whose row exists (its
     # first publication got through) is that task, even if it has finished since
-    from ._submission import resending  # submission imports the runtime, which imports us
+    from .submission import resending  # submission imports the runtime, which imports us
 
     with resending():
         send(app, row.id, request, list(request.callbacks or ()), list(request.chain or ()), result)

@@ -46,12 +46,12 @@ from typing import Any
 
 from celery import Celery
 
-from . import _message
-from ._apps import AppRegistry
-from ._crashpoints import crash_point
-from .exceptions import StoreError
-from .states import State
-from .store import Lease, Outcome, Store
+from ..._apps import AppRegistry
+from ..._crashpoints import crash_point
+from ...exceptions import StoreError
+from ...producer import message as _message
+from ...states import State
+from ...store import Lease, Outcome, Store
 
 logger = logging.getLogger("celery_lease")
 
