@@ -232,7 +232,15 @@ class LeasedTask(Task[Any, Any]):
         req = self.request
         if req.called_directly or req.is_eager:
             return self.run(*args, **kwargs)
-        return _attempt.deliver(self, self.lease_options(runtime(self.app).config), args, kwargs)
+        rt = runtime(self.app)
+        if rt.incarnation is None:
+            # a worker whose bootstep never ran: an in-process one (solo or threads pool:
+            # this is its main process) starts the main process's service now; in a
+            # prefork child or outside a worker nothing starts, and the delivery refuses
+            from .worker.main.bootstep import start_in_process
+
+            start_in_process(rt, req.hostname)
+        return _attempt.deliver(self, self.lease_options(rt.config), args, kwargs)
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
         """After Celery stored the result: a chord member's part-return, and its

@@ -346,7 +346,7 @@ def test_a_writer_that_cannot_keep_up_holds_the_hand_over_back(store):
 def test_hand_over_writes_through_what_it_must(store):
     from types import SimpleNamespace
 
-    from celery_lease.worker.main.outcome_writer import hand_over
+    from celery_lease.worker.protocol import hand_over
 
     _, lease, _ = running(store)
     app, writer = make_writer(store)

@@ -25,7 +25,6 @@ from celery.worker.state import task_ready
 from ..._apps import AppRegistry
 from ..._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from ...exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
-from ...pause import QueueWatcher, consumer_controls
 from ...producer import publisher as _publisher
 from ...reaper import Reaper
 from ...store import Store
@@ -35,6 +34,7 @@ from . import stores as _stores  # noqa: F401  (registers the lease_store remote
 from .heartbeat import Heartbeat, renewal_config
 from .node_names import dead_predecessors, pid_gone
 from .outcome_writer import OutcomeWriter, writer_config
+from .pause_watcher import consumer_controls, watch_paused_queues
 
 logger = logging.getLogger("celery_lease.worker")
 
@@ -372,7 +372,7 @@ class LeaseStep(bootsteps.StartStopStep):
             logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)
             raise SystemExit(78) from error  # EX_CONFIG
         self.service = _services[worker.app] = service
-        self.watcher = _watch_paused_queues(runtime(worker.app), worker)
+        self.watcher = watch_paused_queues(runtime(worker.app), worker)
 
     def start(self, worker: Any) -> None:
         self.service.start()
@@ -394,28 +394,6 @@ def _shutdown(app: Celery, reason: str) -> None:
     service = _services.pop(app, None)
     if service is not None and runtime(app).incarnation is not None:
         service.shutdown(reason)
-
-
-def _watch_paused_queues(rt: Runtime, worker: Any) -> QueueWatcher:
-    """Before the consumer starts: leave out the queues paused now (a worker started
-    during a pause does not consume them), and follow pauses from then on."""
-    queues = worker.app.amqp.queues
-    names = list(queues.consume_from)
-    watcher = QueueWatcher(rt.store, rt.config.heartbeat_interval, names)
-    try:
-        paused = watcher.paused_now()
-    except StoreError as error:
-        logger.warning("celery-lease: paused queues not read at start (%s)", error)
-        paused = set()
-    if paused:
-        queues.deselect(sorted(paused))
-        logger.warning(
-            "celery-lease: worker %s starts without the paused queues %s",
-            worker.hostname,
-            ", ".join(sorted(paused)),
-        )
-    watcher.paused = paused
-    return watcher
 
 
 @signals.worker_shutdown.connect(weak=False)

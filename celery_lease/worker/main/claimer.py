@@ -46,20 +46,16 @@ import uuid
 import weakref
 from typing import Any
 
-from celery import Celery
 from celery.concurrency import prefork
 from celery.worker import state as worker_state
 
-from ..._apps import AppRegistry
 from ..._incarnation import Incarnation
 from ..._runtime import Runtime
 from ...exceptions import StoreError
-from ...store import Claim, Lease
+from ...store import Claim
+from ..protocol import CLAIM_KEY, claim_header
 
 logger = logging.getLogger("celery_lease.worker")
-
-#: The request key that carries a claim made ahead to the pool process.
-CLAIM_KEY = "lease_claim"
 
 #: A job for the pool, as a request hands it over: (the pool's apply_async, target,
 #: args, kwargs, options).
@@ -71,9 +67,6 @@ _STRANDED_AFTER = 5.0
 
 #: Seconds over which the rate of starts is measured.
 _RATE_SPAN = 2.0
-
-#: The claimer of each app's worker main process.
-_claimers: AppRegistry[Claimer] = AppRegistry()
 
 QUEUED, ASKING, CLAIMED, UNCLAIMED = "queued", "asking", "claimed", "unclaimed"
 
@@ -182,7 +175,7 @@ class Claimer:
                         del self._entries[request.id]
             self._starts.append(time.monotonic())
             if entry is not None and entry.claim is not None and isinstance(request_dict, dict):
-                request_dict[CLAIM_KEY] = header(entry.claim, self.inc)
+                request_dict[CLAIM_KEY] = claim_header(entry.claim, self.inc)
             return apply_async(target, args, kwargs, **options)
 
         return with_claims
@@ -216,7 +209,7 @@ class Claimer:
             apply_async, target, args, kwargs, options = entry.call
             self._starts.append(time.monotonic())
             if entry.claim is not None:
-                args[2][CLAIM_KEY] = header(entry.claim, self.inc)
+                args[2][CLAIM_KEY] = claim_header(entry.claim, self.inc)
             try:
                 result = apply_async(target, args, kwargs, **options)
             except Exception as error:  # Celery's worker logs and drops it the same way
@@ -348,44 +341,6 @@ def _strip(request_dict: Any) -> None:
         request_dict.pop(CLAIM_KEY, None)
 
 
-def header(claim: Claim, inc: Incarnation) -> dict[str, Any]:
-    """A claim as the request carries it to the pool process."""
-    return {
-        "owner": inc.id,
-        "task_id": claim.lease.task_id,
-        "attempt": claim.lease.attempt,
-        "token": claim.lease.token,
-        "retries": claim.retries,
-        "recoveries": claim.recoveries,
-        "resumed": claim.resumed,
-        "cancel_requested": claim.cancel_requested,
-    }
-
-
-def claimed_ahead(request: Any, inc: Incarnation, task_id: str, enabled: bool) -> Claim | None:
-    """The claim the main process made ahead for this delivery (``None``: the pool
-    process claims it). Taken off the request, so that nothing Celery builds from the
-    request (a retry's message) carries it; only ever trusted from a worker that claims
-    ahead (``enabled``), whose main process removes any such key a message brings."""
-    found = vars(request).pop(CLAIM_KEY, None)
-    if not enabled or not isinstance(found, dict):
-        return None
-    if found.get("owner") != inc.id or found.get("task_id") != task_id:
-        return None  # not this worker's claim for this delivery: claim it here
-    return Claim(
-        lease=Lease(task_id, int(found["attempt"]), str(found["token"])),
-        retries=int(found["retries"]),
-        recoveries=int(found["recoveries"]),
-        resumed=bool(found["resumed"]),
-        cancel_requested=bool(found["cancel_requested"]),
-    )
-
-
-def claimer_of(app: Celery) -> Claimer | None:
-    found = _claimers.get(app)
-    return None if found is None or found.closed else found
-
-
 def start_for(worker: Any, rt: Runtime, inc: Incarnation) -> Claimer | None:
     """Start the claimer of a worker that claims ahead: ``lease_claim_ahead`` set, a
     prefork pool driven by the worker's event loop. ``None`` for any other worker (its
@@ -402,7 +357,7 @@ def start_for(worker: Any, rt: Runtime, inc: Incarnation) -> Claimer | None:
             inc.nodename,
         )
         return None
-    claimer = _claimers[worker.app] = Claimer(rt, inc, hub, worker.concurrency or 1)
+    claimer = Claimer(rt, inc, hub, worker.concurrency or 1)
     # Before the consumer starts: Celery's request classes take the pool's apply_async,
     # and its task strategies the consumer's on_task_request, when they are made (at
     # the consumer's start).
@@ -425,4 +380,4 @@ def start_for(worker: Any, rt: Runtime, inc: Incarnation) -> Claimer | None:
     return claimer
 
 
-__all__ = ["CLAIM_KEY", "Claimer", "claimed_ahead", "claimer_of", "header", "start_for"]
+__all__ = ["Claimer", "start_for"]

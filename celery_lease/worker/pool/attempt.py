@@ -35,8 +35,7 @@ from ...store import (
     Store,
     dumps,
 )
-from ..main.claimer import claimed_ahead
-from ..main.outcome_writer import hand_over
+from ..protocol import claimed_ahead, hand_over
 from .execution import Execution, StoreDownDuringTask, encode
 
 logger = logging.getLogger("celery_lease")
@@ -55,10 +54,6 @@ def deliver(task: LeasedTask, options: LeaseOptions, args: tuple[Any, ...], kwar
     req = task.request
     rt = runtime(task.app)
     inc = rt.incarnation
-    if inc is None:
-        from ..main.bootstep import start_in_process
-
-        inc = start_in_process(rt, req.hostname)
     if inc is None:
         raise ConfigurationError(
             "celery-lease's worker bootstep is not running in this process: "
