@@ -1,7 +1,7 @@
 """Heartbeat cost: statements per second and renewal latency with 1, 100, 10,000 leases.
 
 Store level: one incarnation owns N RUNNING rows (inserted set-based); the real
-``celery_lease.heartbeat.Heartbeat`` thread renews it at a short interval while a
+``celery_lease.worker.main.heartbeat.Heartbeat`` thread renews it at a short interval while a
 SQLAlchemy counter records every statement it sends. Then one renewal is timed many
 times. The design promise: one statement per worker per interval, whatever N.
 

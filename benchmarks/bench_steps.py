@@ -1,7 +1,7 @@
 """Steps: database writes and added latency per ``self.step()``, idempotent or not.
 
 What one step costs on top of calling its function, measured in-process through
-:class:`celery_lease._execution.Execution` (the object ``LeasedTask.step`` delegates
+:class:`celery_lease.worker.pool.execution.Execution` (the object ``LeasedTask.step`` delegates
 to) against a real store: a SQLite file (WAL) and PostgreSQL (a schema of its own).
 The step functions do nothing, so the time is the step machinery and its database
 round trips. Statements, BEGIN/COMMIT and round trips are counted with SQLAlchemy's

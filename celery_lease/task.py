@@ -72,7 +72,7 @@ class LeasedTask(Task[Any, Any]):
     """
 
     abstract = True
-    Request = "celery_lease.worker.main.bootstep:LeasedRequest"
+    Request = "celery_lease.worker.main.request:LeasedRequest"
 
     lease_ttl: ClassVar[float | None] = None
     max_runtime: ClassVar[float | None] = None
@@ -87,12 +87,10 @@ class LeasedTask(Task[Any, Any]):
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Hook celery-lease into the app the first time a leased task binds to it (and
-        plain groups of leased tasks into bulk writes: :mod:`.producer.group_batches`),
-        and record the task among the app's leased ones (the worker fences itself after
-        the shortest TTL)."""
+        """Hook celery-lease into the app the first time a leased task binds to it, and
+        record the task among the app's leased ones (the worker fences itself after the
+        shortest TTL)."""
         rt = install(app)
-        _group_batches.install(LeasedTask)
         if cls.name is not None:
             rt.leased.add(cls.name)
 
@@ -255,7 +253,7 @@ class LeasedTask(Task[Any, Any]):
     def on_replace(self, sig: Any) -> Any:
         """Celery's ``replace()`` ends here: in a worker execution, the replaced run's
         outcome and the replacement's rows are written in one transaction, then the
-        replacement is published (:mod:`celery_lease._replace`); the run ends with
+        replacement is published (:mod:`celery_lease.worker.pool.replace`); the run ends with
         ``Ignore``, as in Celery."""
         execution = _attempt.current.get()
         if execution is None or self.request.is_eager:
@@ -426,3 +424,7 @@ class LeasedTask(Task[Any, Any]):
     def check_cancelled(self) -> None:
         """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
         self._execution().boundary()
+
+
+# a plain group(...).apply_async() of leased tasks writes its rows together
+_group_batches.install(LeasedTask)

@@ -3,7 +3,7 @@
 The row is the outbox: whoever holds a reserved PENDING row (the reaper after a lost
 or never-published message, a worker that could not claim a delivery, an operator's
 retry) publishes it here, with the message Celery built for it
-(:mod:`celery_lease._message`), and records it published.
+(:mod:`celery_lease.producer.message`), and records it published.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Every way a leased task is submitted goes through here: ``apply_async`` (publish at
 once), ``connection=`` (publish after a SQLAlchemy ``Session`` or ``Connection``
-commits, in :mod:`celery_lease._outbox`), Django's ``on_commit``
+commits, in :mod:`celery_lease.producer.outbox`), Django's ``on_commit``
 (:mod:`celery_lease.contrib.django.outbox`), and bulk submission. Each prepares the
 same value first, :func:`prepare`: the arguments checked against the documented limits
-and encoded, the message Celery built (:mod:`celery_lease._message`) and the row that
+and encoded, the message Celery built (:mod:`celery_lease.producer.message`) and the row that
 holds it; only the *when to publish* differs. The row is always written before its
 message is published (the row is the outbox).
 

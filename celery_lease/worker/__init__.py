@@ -4,23 +4,27 @@
 :mod:`celery_lease.worker.protocol` is what they hand each other. A pool-process
 module never imports a main-process one.
 
-The worker's public names are handed on from :mod:`.main.bootstep` on first use, so
-that importing a pool-process module does not start the main process's machinery.
+The worker's public names are handed on from ``main/`` on first use, so that
+importing a pool-process module does not load the main process's machinery.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
-
-_PUBLIC = ("BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        from .main import bootstep
+    module: ModuleType
+    if name in ("BEAT_ENTRY", "LeaseStep", "install"):
+        from .main import bootstep as module
+    elif name == "LeasedRequest":
+        from .main import request as module
+    elif name == "WorkerService":
+        from .main import service as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)
 
-        return getattr(bootstep, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-__all__ = list(_PUBLIC)
+__all__ = ["BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install"]

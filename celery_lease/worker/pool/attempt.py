@@ -3,7 +3,7 @@
 ``LeasedTask.__call__`` hands every worker delivery to :func:`deliver`. It drops the
 delivery without running any of the task's code when the worker is self-fenced, the
 task is paused, or the claim is refused (a copy, a finished task, an early delivery);
-otherwise it runs the task under an :class:`~celery_lease._execution.Execution` and
+otherwise it runs the task under an :class:`~celery_lease.worker.pool.execution.Execution` and
 writes exactly one fenced outcome, or hands it to the worker's outcome writer.
 """
 
