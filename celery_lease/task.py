@@ -87,10 +87,12 @@ class LeasedTask(Task[Any, Any]):
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Hook celery-lease into the app the first time a leased task binds to it, and
-        record the task among the app's leased ones (the worker fences itself after the
-        shortest TTL)."""
+        """Hook celery-lease into the app the first time a leased task binds to it (and
+        plain groups of leased tasks into bulk writes: :mod:`.producer.group_batches`),
+        and record the task among the app's leased ones (the worker fences itself after
+        the shortest TTL)."""
         rt = install(app)
+        _group_batches.install(LeasedTask)
         if cls.name is not None:
             rt.leased.add(cls.name)
 
@@ -424,7 +426,3 @@ class LeasedTask(Task[Any, Any]):
     def check_cancelled(self) -> None:
         """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
         self._execution().boundary()
-
-
-# a plain group(...).apply_async() of leased tasks writes its rows together
-_group_batches.install(LeasedTask)

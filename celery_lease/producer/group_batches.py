@@ -3,7 +3,8 @@
 Celery sends a group's members one at a time (``group._apply_tasks``), and offers no
 hook around that loop. So that a project's existing groups and chord headers get the
 multi-row statements of :func:`celery_lease.bulk` with no change to their code,
-``celery.canvas.group.apply_async`` is wrapped once, when :mod:`celery_lease.task` is
+``celery.canvas.group.apply_async`` is wrapped once, when the first leased task binds to
+an app (where :func:`celery_lease.install` hooks the app in), not when celery-lease is
 imported: a group with a leased member, on an app that is not eager and outside any
 ``bulk()`` block, runs Celery's own ``apply_async`` inside a ``bulk()`` block of its
 app. Celery builds every member's message as before; the leased members' rows are
