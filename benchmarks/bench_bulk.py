@@ -140,7 +140,7 @@ def _insert_rate(module: Any, store: Any, n: int, rounds: int) -> float:
     from _common import truncate_store
     from celery.utils import uuid
 
-    from celery_lease import _submission
+    from celery_lease.producer import submission as _submission
 
     task = module.app.tasks["b.leased"]
     seconds = []

@@ -1,7 +1,7 @@
 """Heartbeat cost: statements per second and renewal latency with 1, 100, 10,000 leases.
 
 Store level: one incarnation owns N RUNNING rows (inserted set-based); the real
-``celery_lease.heartbeat.Heartbeat`` thread renews it at a short interval while a
+``celery_lease.worker.main.heartbeat.Heartbeat`` thread renews it at a short interval while a
 SQLAlchemy counter records every statement it sends. Then one renewal is timed many
 times. The design promise: one statement per worker per interval, whatever N.
 
@@ -73,8 +73,8 @@ def insert_running(store: Any, owner: str, n: int) -> None:
 
 def measure_store(ctx: Context, kind: str, schema: str | None, leases: int) -> dict[str, float]:
     from celery_lease._runtime import Incarnation
-    from celery_lease.heartbeat import Heartbeat
     from celery_lease.store import Store
+    from celery_lease.worker.main.heartbeat import Heartbeat
 
     store = Store(lease_config(store_url(kind, ctx, "heartbeat"), schema))
     store.migrate()

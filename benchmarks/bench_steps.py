@@ -1,7 +1,7 @@
 """Steps: database writes and added latency per ``self.step()``, idempotent or not.
 
 What one step costs on top of calling its function, measured in-process through
-:class:`celery_lease._execution.Execution` (the object ``LeasedTask.step`` delegates
+:class:`celery_lease.worker.pool.execution.Execution` (the object ``LeasedTask.step`` delegates
 to) against a real store: a SQLite file (WAL) and PostgreSQL (a schema of its own).
 The step functions do nothing, so the time is the step machinery and its database
 round trips. Statements, BEGIN/COMMIT and round trips are counted with SQLAlchemy's
@@ -82,7 +82,7 @@ def _reclaim(store: Any, task_id: str) -> Any:
 
 
 def _execution(store: Any, claim: Any) -> Any:
-    from celery_lease._execution import Execution
+    from celery_lease.worker.pool.execution import Execution
 
     # the default heartbeat interval: a boundary reads the row at most every 5 s
     return Execution(store=store, claim=claim, fenced=lambda: False, check_interval=5.0)

@@ -9,7 +9,6 @@ tasks whose lease expired to a retry or to a person (WAIT_MANUAL).
 # the module, and the function must be bound after that, here, not by a later import
 from . import admin as _first_name_of_operations  # noqa: F401
 from ._runtime import install
-from ._submission import Submitted, bulk
 from .exceptions import (
     ArgumentsTooLarge,
     CeleryLeaseDeprecationWarning,
@@ -34,6 +33,7 @@ from .exceptions import (
     TaskNotFound,
 )
 from .operations import Admin, Stats, admin
+from .producer.submission import Submitted, bulk
 from .reaper import ReapReport, reap
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import TRANSITIONS, State

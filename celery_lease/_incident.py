@@ -7,12 +7,12 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
-from ._execution import encode
 from ._runtime import default_actor
 from .exceptions import IllegalTransition, TaskNotFound
 from .pause import KINDS, Pause, PauseEvent
 from .states import State, parse_state
 from .store import Filter
+from .worker.pool.execution import encode
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -181,7 +181,7 @@ class BulkOps:
         ``dry_run`` changes nothing and reports what would change and where it would
         stop. ``reason`` is required; at least one filter is, too. ``limit`` caps the
         tasks taken."""
-        from . import _publisher
+        from .producer import publisher as _publisher
         from .states import action_sources
 
         if action not in BULK_TARGETS:

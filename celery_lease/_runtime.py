@@ -23,7 +23,7 @@ from .pause import PauseCache
 from .store import Store
 
 #: The worker bootstep celery-lease adds (by path: the worker module sits above this one).
-WORKER_STEP = "celery_lease.worker:LeaseStep"
+WORKER_STEP = "celery_lease.worker.main.bootstep:LeaseStep"
 #: The beat entry that runs the reaper (it acts only where ``celery beat`` runs).
 BEAT_ENTRY = "celery-lease-reap"
 

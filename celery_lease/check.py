@@ -452,7 +452,7 @@ def workers_on_other_stores(app: Any, *, timeout: float = 1.0) -> list[Violation
     Raises:
         OSError, kombu.exceptions.OperationalError: the broker cannot be reached.
     """
-    from ._stores import leased_tasks, on_other_stores, worker_stores
+    from .worker.main.stores import leased_tasks, on_other_stores, worker_stores
 
     store = _store_of(app)
     answers = worker_stores(app, timeout)

@@ -34,9 +34,9 @@ from typing import Any
 
 from celery import Celery
 
-from . import _follow_ups
-from ._message import request_context
 from .exceptions import TaskFailed
+from .producer import follow_ups as _follow_ups
+from .producer.message import request_context
 from .records import TaskRecord
 from .states import CELERY_REPORTS, State
 from .store import FollowUps, Store, TransitionEvent

@@ -17,16 +17,16 @@ from typing import Any
 
 from celery import Celery
 
-from . import _publisher
-from ._execution import encode
 from ._incident import BulkOps, PauseOps
 from ._runtime import default_actor, runtime
 from .exceptions import CeleryLeaseDeprecationWarning, IllegalTransition, TaskNotFound
 from .health import DURATION_SAMPLE, TaskHealth, percentile, snapshot, state_counts
+from .producer import publisher as _publisher
 from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State, parse_state
 from .store import Store
+from .worker.pool.execution import encode
 
 #: States ``purge`` deletes by default: finished work nobody will act on.
 PURGEABLE_DEFAULT = (State.SUCCEEDED, State.CANCELLED)

@@ -15,11 +15,12 @@ from typing import TypeVar
 
 from celery import Celery, Task, shared_task
 
-from . import _follow_ups, _publisher
 from ._broker import backlog_guard
 from ._crashpoints import crash_point
 from ._runtime import runtime
 from .config import MAX_SECONDS
+from .producer import follow_ups as _follow_ups
+from .producer import publisher as _publisher
 from .states import State
 from .store import REPUBLISHED, Expiry, Publishable, Store
 

@@ -13,15 +13,20 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.result import AsyncResult
 
-from . import _attempt, _follow_ups, _group_batches, _message, _replace, _submission
 from ._crashpoints import crash_point
-from ._execution import Execution
 from ._runtime import install, runtime
-from ._submission import Submitted
 from .config import LeaseConfig, check_seconds
 from .exceptions import ConfigurationError
+from .producer import follow_ups as _follow_ups
+from .producer import group_batches as _group_batches
+from .producer import message as _message
+from .producer import submission as _submission
+from .producer.submission import Submitted
 from .states import State
 from .store import LeaseOptions
+from .worker.pool import attempt as _attempt
+from .worker.pool import replace as _replace
+from .worker.pool.execution import Execution
 
 logger = logging.getLogger("celery_lease")
 
@@ -67,7 +72,7 @@ class LeasedTask(Task[Any, Any]):
     """
 
     abstract = True
-    Request = "celery_lease.worker:LeasedRequest"
+    Request = "celery_lease.worker.main.request:LeasedRequest"
 
     lease_ttl: ClassVar[float | None] = None
     max_runtime: ClassVar[float | None] = None
@@ -82,10 +87,12 @@ class LeasedTask(Task[Any, Any]):
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Hook celery-lease into the app the first time a leased task binds to it, and
-        record the task among the app's leased ones (the worker fences itself after the
-        shortest TTL)."""
+        """Hook celery-lease into the app the first time a leased task binds to it (and
+        plain groups of leased tasks into bulk writes: :mod:`.producer.group_batches`),
+        and record the task among the app's leased ones (the worker fences itself after
+        the shortest TTL)."""
         rt = install(app)
+        _group_batches.install(LeasedTask)
         if cls.name is not None:
             rt.leased.add(cls.name)
 
@@ -227,7 +234,15 @@ class LeasedTask(Task[Any, Any]):
         req = self.request
         if req.called_directly or req.is_eager:
             return self.run(*args, **kwargs)
-        return _attempt.deliver(self, self.lease_options(runtime(self.app).config), args, kwargs)
+        rt = runtime(self.app)
+        if rt.incarnation is None:
+            # a worker whose bootstep never ran: an in-process one (solo or threads pool:
+            # this is its main process) starts the main process's service now; in a
+            # prefork child or outside a worker nothing starts, and the delivery refuses
+            from .worker.main.bootstep import start_in_process
+
+            start_in_process(rt, req.hostname)
+        return _attempt.deliver(self, self.lease_options(rt.config), args, kwargs)
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
         """After Celery stored the result: a chord member's part-return, and its
@@ -240,7 +255,7 @@ class LeasedTask(Task[Any, Any]):
     def on_replace(self, sig: Any) -> Any:
         """Celery's ``replace()`` ends here: in a worker execution, the replaced run's
         outcome and the replacement's rows are written in one transaction, then the
-        replacement is published (:mod:`celery_lease._replace`); the run ends with
+        replacement is published (:mod:`celery_lease.worker.pool.replace`); the run ends with
         ``Ignore``, as in Celery."""
         execution = _attempt.current.get()
         if execution is None or self.request.is_eager:
@@ -411,7 +426,3 @@ class LeasedTask(Task[Any, Any]):
     def check_cancelled(self) -> None:
         """A step boundary without a step: raises ``TaskCancelled`` or ``LeaseLost``."""
         self._execution().boundary()
-
-
-# a plain group(...).apply_async() of leased tasks writes its rows together
-_group_batches.install(LeasedTask)

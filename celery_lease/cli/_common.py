@@ -53,16 +53,21 @@ def lease() -> None:
     """Inspect and operate crash-safe leased tasks (celery-lease)."""
 
 
+#: Key of click's ``Context.meta`` (shared by the command's contexts) that says the
+#: app's modules were imported: kept there, not on Celery's CLI object.
+_MODULES_IMPORTED = "celery_lease.modules_imported"
+
+
 def _app(ctx: click.Context) -> Any:
-    obj = ctx.find_root().obj
-    app = getattr(obj, "app", None)
+    root = ctx.find_root()
+    app = getattr(root.obj, "app", None)
     if app is None:
         raise click.UsageError("no Celery app: run as `celery -A proj lease ...`")
-    if not getattr(obj, "_lease_modules_imported", False):
+    if not root.meta.get(_MODULES_IMPORTED, False):
         # as `celery shell` does: fixups run (Django's sets Django up, so the Django app
         # points the store at DATABASES) and the app's task modules are registered
         app.loader.import_default_modules()
-        obj._lease_modules_imported = True
+        root.meta[_MODULES_IMPORTED] = True
     return app
 
 

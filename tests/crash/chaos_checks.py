@@ -436,7 +436,7 @@ def keep_evidence(project: LeasedProject, report: Report, redis_url: str, direct
 
     import redis
 
-    from celery_lease._message import decode
+    from celery_lease.producer.message import decode
 
     store = project.store
     client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)

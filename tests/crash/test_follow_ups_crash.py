@@ -20,7 +20,7 @@ import pytest
 from celery import chain, chord
 
 from celery_lease import State
-from celery_lease._follow_ups import callback_id
+from celery_lease.producer.follow_ups import callback_id
 from celery_lease.testing import wait_until
 
 from .support import TASKS, LeasedProject, LeaseEnv

@@ -17,13 +17,21 @@ def _map() -> str:
 
 
 def _modules() -> list[str]:
-    """Top-level modules and store modules by file name; other packages by folder."""
+    """Top-level modules and store modules by file name; the worker's and the producer's
+    by path; other packages by folder."""
     names = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
     names += [p.name for p in (PACKAGE / "store").glob("*.py") if p.name != "__init__.py"]
     names += [f"{p.name}/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()]
     names += [
         f"contrib/{p.name}" for p in (PACKAGE / "contrib").glob("*.py") if p.name != "__init__.py"
     ]
+    # the worker and the producer by path: where a module sits says where it runs
+    for package in ("worker", "producer"):
+        names += [
+            p.relative_to(PACKAGE).as_posix()
+            for p in (PACKAGE / package).rglob("*.py")
+            if p.name != "__init__.py"
+        ]
     return sorted(set(names) - {"store/", "contrib/"} | {"contrib/django/"})
 
 

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from celery import chain, chord
 
-from celery_lease import State, _follow_ups, admin
-from celery_lease._follow_ups import callback_id
+from celery_lease import State, admin
+from celery_lease.producer import follow_ups as _follow_ups
+from celery_lease.producer.follow_ups import callback_id
 from celery_lease.store import FollowUps
 
 from ..crash.support import LeaseEnv

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from celery_lease._runtime import Incarnation
-from celery_lease.heartbeat import Heartbeat
+from celery_lease.worker.main.heartbeat import Heartbeat
 
 from ..conftest import _libpq_url
 from ..helpers import wait_until

@@ -22,7 +22,7 @@ import pytest
 from celery_lease import State
 from celery_lease._runtime import runtime
 from celery_lease.store import Store
-from celery_lease.worker import Event, WorkerService
+from celery_lease.worker.main.service import Event, WorkerService
 
 from ..helpers import WorkerProject
 from .test_cli_support import Ops, close_ops, make_ops

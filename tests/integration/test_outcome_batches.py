@@ -245,7 +245,7 @@ def test_a_batch_of_retries_is_one_statement_on_postgresql_and_one_transaction_o
 def make_writer(store, app=None, **overrides):
     from celery import Celery
 
-    from celery_lease._outcome_writer import OutcomeWriter
+    from celery_lease.worker.main.outcome_writer import OutcomeWriter
 
     options = {"batch_size": 100, "flush_interval": 0.0, "buffer": 1000, "hand_over_timeout": 5.0}
     options.update(overrides)
@@ -346,7 +346,7 @@ def test_a_writer_that_cannot_keep_up_holds_the_hand_over_back(store):
 def test_hand_over_writes_through_what_it_must(store):
     from types import SimpleNamespace
 
-    from celery_lease._outcome_writer import hand_over
+    from celery_lease.worker.protocol import hand_over
 
     _, lease, _ = running(store)
     app, writer = make_writer(store)
@@ -392,7 +392,7 @@ def test_the_writer_publishes_a_retry_after_writing_its_row(store, redis_url):
 
     import redis
 
-    from celery_lease import _message
+    from celery_lease.producer import message as _message
 
     app, job = retry_app(redis_url)
     queue = f"writer-retry-{uuid.uuid4().hex[:8]}"
@@ -429,7 +429,7 @@ def test_the_writer_publishes_a_retry_after_writing_its_row(store, redis_url):
 
 
 def test_a_retry_the_writer_cannot_publish_stays_in_its_row_for_the_reaper(store):
-    from celery_lease import _message
+    from celery_lease.producer import message as _message
 
     app, job = retry_app("redis://127.0.0.1:1/0")  # nothing listens there
     task_id, lease, _ = running(store)

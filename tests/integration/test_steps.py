@@ -292,8 +292,8 @@ def test_a_lost_lease_stops_the_execution_at_its_next_step_and_it_writes_nothing
 def test_a_step_costs_one_write_if_idempotent_else_two(store, idempotent, writes):
     from sqlalchemy import event
 
-    from celery_lease._execution import Execution
     from celery_lease.store import Claim, NewTask
+    from celery_lease.worker.pool.execution import Execution
 
     store.submit(
         NewTask(

@@ -1,7 +1,7 @@
 """Property tests of steps, attempts and fencing against the real store (hypothesis).
 
 A rule-based state machine drives one task through any interleaving of claims,
-duplicate deliveries, steps (through :class:`celery_lease._execution.Execution`, the
+duplicate deliveries, steps (through :class:`celery_lease.worker.pool.execution.Execution`, the
 code tasks use) from the current *and from stale* executions, progress writes, lease
 expiries, due retries, operator retries and outcomes. A plain-Python model predicts
 every answer; after each rule the database must equal the model. Hence:
@@ -34,9 +34,9 @@ from hypothesis.stateful import (
 )
 
 from celery_lease import DuplicateStep, LeaseLost, State
-from celery_lease._execution import Execution
 from celery_lease.states import RETRYABLE
 from celery_lease.store import Claim, NewTask, Refusal, Store
+from celery_lease.worker.pool.execution import Execution
 
 MAX_RECOVERIES = 3
 NAMES = st.sampled_from(["load", "charge", "ship", "mail"])

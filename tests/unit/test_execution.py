@@ -22,9 +22,9 @@ from celery_lease import (
     State,
     TaskCancelled,
 )
-from celery_lease._execution import Execution, encode
 from celery_lease.config import LeaseConfig
 from celery_lease.store import Claim, NewTask, Store
+from celery_lease.worker.pool.execution import Execution, encode
 
 
 @pytest.fixture

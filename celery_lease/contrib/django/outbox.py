@@ -27,9 +27,9 @@ from typing import Any
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from ... import _submission
 from ..._runtime import runtime
 from ...exceptions import ConfigurationError
+from ...producer import submission as _submission
 from ...store import Store
 from ...task import LeasedTask
 from ._executor import DjangoExecutor

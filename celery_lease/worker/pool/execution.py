@@ -11,17 +11,17 @@ from typing import Any
 from celery._state import get_current_task
 from celery.exceptions import Ignore
 
-from ._crashpoints import armed, step_crash_point
-from .exceptions import (
+from ..._crashpoints import armed, step_crash_point
+from ...exceptions import (
     DuplicateStep,
     InvalidSubmissionValue,
     LeaseLost,
     NotSerializable,
     TaskCancelled,
 )
-from .states import STEP_DONE as DONE
-from .states import STEP_STARTED as STARTED
-from .store import Claim, FenceResult, RecordedStep, Store
+from ...states import STEP_DONE as DONE
+from ...states import STEP_STARTED as STARTED
+from ...store import Claim, FenceResult, RecordedStep, Store
 
 _MISSING = object()
 

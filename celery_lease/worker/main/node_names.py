@@ -12,9 +12,9 @@ import os
 import time
 from typing import Any
 
-from ._incarnation import Incarnation
-from .exceptions import ConfigurationError
-from .store import Store
+from ..._incarnation import Incarnation
+from ...exceptions import ConfigurationError
+from ...store import Store
 
 logger = logging.getLogger("celery_lease.worker")
 

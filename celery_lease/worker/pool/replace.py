@@ -6,7 +6,7 @@ it), sends the replacement and raises ``Ignore``: nothing is recorded for the re
 task, its id's result is the replacement's. Through a lease:
 
 * the leased tasks the replacement submits are collected, not written
-  (:func:`celery_lease._submission.collected`);
+  (:func:`celery_lease.producer.submission.collected`);
 * one transaction records the replaced run's outcome, SUCCEEDED with the reason
   :data:`~celery_lease.store.REPLACED` (fenced by attempt and token), and writes the
   collected rows. A row with the replaced id (a single leased replacement) replaces
@@ -31,10 +31,10 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore
 
-from . import _submission
-from ._execution import Execution
-from ._runtime import runtime
-from .store import REPLACED
+from ..._runtime import runtime
+from ...producer import submission as _submission
+from ...store import REPLACED
+from .execution import Execution
 
 logger = logging.getLogger("celery_lease")
 

@@ -16,8 +16,8 @@ import math
 from datetime import datetime, timezone
 from numbers import Real
 
-from .config import MAX_SECONDS
-from .exceptions import ArgumentsTooLarge, InvalidSubmissionType, InvalidSubmissionValue
+from ..config import MAX_SECONDS
+from ..exceptions import ArgumentsTooLarge, InvalidSubmissionType, InvalidSubmissionValue
 
 #: Longest task id, dedup key and task name, in characters (the columns are String(255)).
 MAX_KEY_CHARS = 255

@@ -1,8 +1,11 @@
-"""Hooks into the Celery worker: bootstep, signals and the parent-side Request.
+"""The worker's service in its main process: the incarnation, and a thread of its own.
 
-The worker's main process owns the incarnation row and renews it (heartbeat
-thread), runs the embedded reaper (its own thread, behind a database lock), and
-sees pool children die or hit hard time limits, which expires their leases at once.
+The main process owns the incarnation row and renews it (the heartbeat's thread),
+writes the outcomes pool processes hand over (the outcome writer's thread), and runs
+the service's thread: the events the worker's own threads send it (a pool child
+lost, a delivery revoked), a backstop for pool children whose death the pool never
+reported, and the embedded reaper (behind a database lock). Started by the bootstep
+(:mod:`.bootstep`), with retries while the database cannot be reached yet.
 """
 
 from __future__ import annotations
@@ -17,30 +20,23 @@ import time
 import uuid
 from typing import Any
 
-from celery import Celery, bootsteps, signals
-from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery.worker import state as worker_state
-from celery.worker.request import Request
-from celery.worker.state import task_ready
 
-from . import _claimer, _publisher, _stores  # noqa: F401  (registers the lease_store remote-control command)
-from ._apps import AppRegistry
-from ._execution import StoreDownDuringTask
-from ._node_names import dead_predecessors, pid_gone
-from ._outcome_writer import OutcomeWriter, writer_config
-from ._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
-from .exceptions import CeleryLeaseError, ConfigurationError, StoreError, StoreUnavailable
+from ..._apps import AppRegistry
+from ..._runtime import Incarnation, Runtime
+from ...exceptions import ConfigurationError, StoreError, StoreUnavailable
+from ...producer import publisher as _publisher
+from ...reaper import Reaper
+from ...store import Store
+from . import claimer as _claimer
 from .heartbeat import Heartbeat, renewal_config
-from .pause import QueueWatcher, consumer_controls
-from .reaper import Reaper
-from .store import Store
+from .node_names import dead_predecessors, pid_gone
+from .outcome_writer import OutcomeWriter, writer_config
 
 logger = logging.getLogger("celery_lease.worker")
 
 #: The service of each app's worker main process (none in its pool children's use).
-_services: AppRegistry[WorkerService] = AppRegistry()
-#: Serializes a service started on first use in an in-process worker (its threads).
-_start_lock = threading.Lock()
+services: AppRegistry[WorkerService] = AppRegistry()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +90,7 @@ class WorkerService:
         self._events: queue.Queue[Event] = queue.Queue()
         #: Times the worker recovered from a self-fence (each expired all it held).
         self._fence_recoveries = 0
-        self._gone_since: dict[LeasedRequest, float] = {}
+        self._gone_since: dict[Any, float] = {}
         self._stopping = threading.Event()
         self.heartbeat = Heartbeat(
             Store(renewal_config(cfg, ttl)),
@@ -224,9 +220,10 @@ class WorkerService:
         """
         now = time.monotonic()
         me = os.getpid()
-        gone: dict[LeasedRequest, float] = {}
+        gone: dict[Any, float] = {}
         for req in set(worker_state.active_requests):
-            if not isinstance(req, LeasedRequest) or req.task.app is not self.rt.app:
+            # a LeasedRequest (:mod:`.request`, which sits above this module)
+            if not hasattr(req, "lease_lost") or req.task.app is not self.rt.app:
                 continue
             pid = req.worker_pid
             if not isinstance(pid, int) or pid == me or not pid_gone(pid):
@@ -337,7 +334,7 @@ _REFUSED_AT_CONNECT = (
 )
 
 
-def _start_service(rt: Runtime, nodename: str) -> WorkerService:
+def start_service(rt: Runtime, nodename: str) -> WorkerService:
     """Start the worker's service, waiting for a database that cannot be reached yet.
 
     Like Celery's ``broker_connection_retry_on_startup``: a database restarting (or
@@ -372,219 +369,4 @@ def _start_service(rt: Runtime, nodename: str) -> WorkerService:
             pause = min(pause * 2, 10.0)
 
 
-def start_in_process(rt: Runtime, nodename: str | None) -> Incarnation | None:
-    """Start the worker service inside a worker whose bootstep never ran: an in-process
-    worker (solo or threads pool) started before a leased task was bound to its app,
-    such as ``celery.contrib.pytest``'s ``celery_worker`` with the task defined in the
-    test. ``None`` in a prefork child or outside a worker."""
-    from billiard.process import current_process
-
-    # a prefork pool child is a billiard Process; the solo and threads pools run in
-    # the worker's main process, which billiard calls "MainProcess"
-    if not nodename or current_process().name != "MainProcess":
-        return None
-    with _start_lock:
-        if rt.app not in _services:
-            service = _start_service(rt, nodename)
-            service.start()
-            _services[rt.app] = service
-    return rt.incarnation
-
-
-class LeaseStep(bootsteps.StartStopStep):
-    """Worker bootstep: register the incarnation before the pool forks, then start the
-    heartbeat and embedded reaper threads. Shutdown is handled on ``worker_shutdown``,
-    which is sent after the pool has drained (a warm shutdown keeps renewing until then)."""
-
-    label = "celery-lease"
-
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        try:
-            service = _start_service(runtime(worker.app), worker.hostname)
-        except CeleryLeaseError as error:
-            # refuse to start rather than run tasks without leases
-            logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)
-            raise SystemExit(78) from error  # EX_CONFIG
-        self.service = _services[worker.app] = service
-        self.watcher = _watch_paused_queues(runtime(worker.app), worker)
-
-    def start(self, worker: Any) -> None:
-        self.service.start()
-        inc = self.service.incarnation
-        self.service.claimer = _claimer.start_for(worker, self.service.rt, inc)
-        self.watcher.start(*consumer_controls(worker), fenced=lambda: inc.flags.fenced)
-
-    def stop(self, worker: Any) -> None:
-        self.watcher.stop()
-
-    def terminate(self, worker: Any) -> None:
-        """Cold shutdown. Celery sends no ``worker_shutdown`` then (only a warm shutdown
-        does), so record it here: the incarnation is marked stopped and the leases it
-        holds expire at once, before the pool kills the children running them."""
-        _shutdown(worker.app, "cold shutdown")
-
-
-def _shutdown(app: Celery, reason: str) -> None:
-    service = _services.pop(app, None)
-    if service is not None and runtime(app).incarnation is not None:
-        service.shutdown(reason)
-
-
-def _watch_paused_queues(rt: Runtime, worker: Any) -> QueueWatcher:
-    """Before the consumer starts: leave out the queues paused now (a worker started
-    during a pause does not consume them), and follow pauses from then on."""
-    queues = worker.app.amqp.queues
-    names = list(queues.consume_from)
-    watcher = QueueWatcher(rt.store, rt.config.heartbeat_interval, names)
-    try:
-        paused = watcher.paused_now()
-    except StoreError as error:
-        logger.warning("celery-lease: paused queues not read at start (%s)", error)
-        paused = set()
-    if paused:
-        queues.deselect(sorted(paused))
-        logger.warning(
-            "celery-lease: worker %s starts without the paused queues %s",
-            worker.hostname,
-            ", ".join(sorted(paused)),
-        )
-    watcher.paused = paused
-    return watcher
-
-
-@signals.worker_shutdown.connect(weak=False)
-def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
-    app = getattr(sender, "app", None)
-    if app is None:
-        return
-    _shutdown(app, "shutdown")
-
-
-@signals.task_revoked.connect(weak=False)
-def _on_task_revoked(
-    sender: Any = None,
-    request: Any = None,
-    terminated: bool = False,
-    expired: bool = False,
-    **kwargs: Any,
-) -> None:
-    task = sender
-    if request is None or not getattr(task, "Request", "").startswith("celery_lease."):
-        return
-    service = _services.get(task.app)
-    if service is None:
-        return
-    if terminated:
-        # recorded as a cancel request before the child's death is handled as a lost
-        # child (same queue, in order): the expiry then ends CANCELLED, not a retry
-        reason = "revoked with terminate"
-    elif expired:
-        reason = "expired before it ran (its expires option passed)"
-    else:
-        reason = "revoked before it ran"
-    service.revoked(request.id, reason)
-    if service.claimer is not None:
-        service.claimer.dropped(request.id, reason)  # after the cancel request: same queue
-
-
-_lost_lock = threading.Lock()
-
-
-class LeasedRequest(Request):
-    """Request seen by the worker's main process: expires the lease at once when the
-    pool child running it dies or hits its hard time limit (no TTL wait).
-
-    Those deaths are the lease's to decide (retry, or a person), so Celery's own
-    handling, which would report FAILURE (result backend, ``task-failed`` event,
-    ``link_error``, a chord's error) for a task that then runs again, is skipped:
-    callers see the lease's state until the row's final one.
-    """
-
-    def _service(self) -> WorkerService | None:
-        return _services.get(self.task.app)
-
-    def lease_lost(self, reason: str, attempt: int | None = None) -> bool:
-        """Tell the lease, once per request, that its execution is lost (the pool's
-        report and the service's backstop may both see it): ``False`` if told before.
-        Told twice, the second expiry could hit the task's next execution.
-        ``attempt``: the attempt the execution had claimed, when the pool process said."""
-        with _lost_lock:
-            if getattr(self, "_lease_told", False):
-                return False
-            self._lease_told = True
-        task_ready(self)
-        service = self._service()
-        if service is not None:
-            service.child_lost(self.id, reason, attempt)
-        return True
-
-    def _lease_decides(self, reason: str, *, worker_lost: bool = False) -> None:
-        """Hand a lost execution to the lease: the lease is expired at once by the main
-        process, which then re-publishes the row if the policy retries it. The message
-        is acknowledged, or requeued as Celery would (``reject_on_worker_lost``): a
-        redelivery is dropped at claim unless the row is waiting for it."""
-        if self.task.acks_late and not self.acknowledged:
-            if worker_lost and self.task.reject_on_worker_lost:
-                self.reject(requeue=True)
-            else:
-                self.acknowledge()
-        self.lease_lost(reason)
-
-    def on_failure(
-        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
-    ) -> Any:
-        exc = exc_info.exception
-        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback wrapper
-        lost = None
-        if self._service() is None:
-            pass  # not a leased worker (the bootstep is not running): Celery decides
-        elif isinstance(exc, WorkerLostError):
-            lost = f"pool child lost while running the task: {exc}"
-        elif isinstance(exc, TimeLimitExceeded):
-            lost = f"hard time limit exceeded: {exc}"
-        elif isinstance(exc, (SystemExit, KeyboardInterrupt)) and not (
-            getattr(self, "_already_cancelled", False) or getattr(self, "_already_revoked", False)
-        ):
-            lost = f"pool child terminated while running the task: {exc!r}"
-        else:
-            why, attempt = None, None
-            if isinstance(exc, Terminated):
-                # revoked with terminate: Celery reports REVOKED; the cancel request was
-                # recorded first (same queue, in order), so the expiry ends CANCELLED
-                why = f"pool child terminated while running the task: {exc!r}"
-            elif isinstance(exc, (StoreError, StoreDownDuringTask)) or isinstance(
-                getattr(exc, "reason", None), StoreError
-            ):
-                # the execution stopped on a database error: its lease must not outlive
-                # it (the heartbeat is alive), and a claim that failed left its message
-                # consumed: expire / re-publish at once, retried until the database answers
-                why = f"lease store unavailable while the task ran: {getattr(exc, 'reason', exc)}"
-                attempt = getattr(exc, "attempt", None)
-            if why is not None:
-                try:
-                    return super().on_failure(
-                        exc_info, send_failed_event=send_failed_event, return_ok=return_ok
-                    )
-                finally:
-                    self.lease_lost(why, attempt)
-        if lost is not None:
-            return self._lease_decides(lost, worker_lost=not isinstance(exc, TimeLimitExceeded))
-        return super().on_failure(
-            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
-        )
-
-    def on_timeout(self, soft: bool, timeout: float) -> Any:
-        if soft or self._service() is None:
-            return super().on_timeout(soft, timeout)
-        logger.error(
-            "task %s[%s]: hard time limit (%s s) exceeded; the lease decides what happens next",
-            self.name,
-            self.id,
-            timeout,
-        )
-        return self._lease_decides(
-            f"hard time limit of {timeout} s exceeded: the pool child was killed"
-        )
-
-
-__all__ = ["BEAT_ENTRY", "LeaseStep", "LeasedRequest", "WorkerService", "install"]
+__all__ = ["UNREPORTED_LOSS_AFTER", "WorkerService", "services", "start_service"]

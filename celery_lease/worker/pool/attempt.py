@@ -3,7 +3,7 @@
 ``LeasedTask.__call__`` hands every worker delivery to :func:`deliver`. It drops the
 delivery without running any of the task's code when the worker is self-fenced, the
 task is paused, or the claim is refused (a copy, a finished task, an early delivery);
-otherwise it runs the task under an :class:`~celery_lease._execution.Execution` and
+otherwise it runs the task under an :class:`~celery_lease.worker.pool.execution.Execution` and
 writes exactly one fenced outcome, or hands it to the worker's outcome writer.
 """
 
@@ -17,16 +17,15 @@ from typing import Any, Literal
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import _follow_ups, _message, _publisher
-from ._claimer import claimed_ahead
-from ._crashpoints import armed, step_crash_point, worker_crash_point
-from ._execution import Execution, StoreDownDuringTask, encode
-from ._incarnation import Incarnation
-from ._outcome_writer import hand_over
-from ._runtime import Runtime, runtime
-from .exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
-from .states import State
-from .store import (
+from ..._crashpoints import armed, step_crash_point, worker_crash_point
+from ..._incarnation import Incarnation
+from ..._runtime import Runtime, runtime
+from ...exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreError, TaskCancelled
+from ...producer import follow_ups as _follow_ups
+from ...producer import message as _message
+from ...producer import publisher as _publisher
+from ...states import State
+from ...store import (
     DUPLICATES_DROPPED,
     Claim,
     LeaseOptions,
@@ -36,6 +35,8 @@ from .store import (
     Store,
     dumps,
 )
+from ..protocol import claimed_ahead, hand_over
+from .execution import Execution, StoreDownDuringTask, encode
 
 logger = logging.getLogger("celery_lease")
 
@@ -53,10 +54,6 @@ def deliver(task: LeasedTask, options: LeaseOptions, args: tuple[Any, ...], kwar
     req = task.request
     rt = runtime(task.app)
     inc = rt.incarnation
-    if inc is None:
-        from .worker import start_in_process
-
-        inc = start_in_process(rt, req.hostname)
     if inc is None:
         raise ConfigurationError(
             "celery-lease's worker bootstep is not running in this process: "

@@ -3,7 +3,7 @@
 The row is the outbox: whoever holds a reserved PENDING row (the reaper after a lost
 or never-published message, a worker that could not claim a delivery, an operator's
 retry) publishes it here, with the message Celery built for it
-(:mod:`celery_lease._message`), and records it published.
+(:mod:`celery_lease.producer.message`), and records it published.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from celery import Celery
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import loads as json_loads
 
-from . import _message, notify
-from ._broker import PUBLISH_RETRY
-from .store import Publishable, Store
+from .. import notify
+from .._broker import PUBLISH_RETRY
+from ..store import Publishable, Store
+from . import message as _message
 
 logger = logging.getLogger("celery_lease.publish")
 

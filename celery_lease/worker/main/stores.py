@@ -22,7 +22,7 @@ from typing import Any
 
 from celery.worker.control import inspect_command
 
-from ._runtime import runtime
+from ..._runtime import runtime
 
 logger = logging.getLogger("celery_lease")
 

@@ -34,8 +34,8 @@ from kombu.utils.json import JSONEncoder
 from kombu.utils.json import dumps as json_dumps
 from kombu.utils.json import loads as json_loads
 
-from ._broker import publish_options
-from .exceptions import ConfigurationError
+from .._broker import publish_options
+from ..exceptions import ConfigurationError
 
 #: Version of the stored form (a key of the JSON object, for later changes).
 FORMAT = 1

@@ -8,10 +8,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._incarnation import Incarnation
-from .config import LeaseConfig
-from .exceptions import StoreError
-from .store import Store
+from ..._incarnation import Incarnation
+from ...config import LeaseConfig
+from ...exceptions import StoreError
+from ...store import Store
 
 logger = logging.getLogger("celery_lease.heartbeat")
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery.result import AsyncResult
 
-from .store import NewTask, join_transaction
+from ..store import NewTask, join_transaction
 
 if TYPE_CHECKING:
-    from ._runtime import Runtime
+    from .._runtime import Runtime
 
 
 class _Task(Protocol):

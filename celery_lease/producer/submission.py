@@ -2,10 +2,10 @@
 
 Every way a leased task is submitted goes through here: ``apply_async`` (publish at
 once), ``connection=`` (publish after a SQLAlchemy ``Session`` or ``Connection``
-commits, in :mod:`celery_lease._outbox`), Django's ``on_commit``
+commits, in :mod:`celery_lease.producer.outbox`), Django's ``on_commit``
 (:mod:`celery_lease.contrib.django.outbox`), and bulk submission. Each prepares the
 same value first, :func:`prepare`: the arguments checked against the documented limits
-and encoded, the message Celery built (:mod:`celery_lease._message`) and the row that
+and encoded, the message Celery built (:mod:`celery_lease.producer.message`) and the row that
 holds it; only the *when to publish* differs. The row is always written before its
 message is published (the row is the outbox).
 
@@ -38,13 +38,13 @@ from kombu.exceptions import EncodeError
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.serialization import dumps as kombu_dumps
 
-from . import _message
-from ._crashpoints import crash_point
-from ._limits import check_arguments_size, check_submission
-from ._runtime import Runtime, runtime
-from .config import LeaseConfig
-from .exceptions import InvalidSubmissionValue, NotSerializable
-from .store import Lease, LeaseOptions, NewTask, dumps
+from .._crashpoints import crash_point
+from .._runtime import Runtime, runtime
+from ..config import LeaseConfig
+from ..exceptions import InvalidSubmissionValue, NotSerializable
+from ..store import Lease, LeaseOptions, NewTask, dumps
+from . import message as _message
+from .limits import check_arguments_size, check_submission
 
 #: apply_async options kept in the row so that a re-published message is routed the same way.
 _ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
@@ -213,7 +213,7 @@ def submit(
             batch.add(new, outgoing)
             return outgoing.result
     if connection is not None:
-        from ._outbox import submit_in_transaction
+        from .outbox import submit_in_transaction
 
         return submit_in_transaction(
             task, rt, new, connection, lambda: publish(task, rt, outgoing, producer)

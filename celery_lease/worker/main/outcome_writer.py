@@ -2,20 +2,16 @@
 
 A pool child that finishes a task hands its outcome (SUCCEEDED, CANCELLED, or a
 retry with its message, fenced by the execution's attempt and token) to the worker's
-main process and goes on to its next task; the main process writes the outcomes that
-arrived together in one statement (:meth:`~celery_lease.store.Store.finish_many`,
+main process over the worker's :class:`~celery_lease.worker.protocol.OutcomeChannel`
+and goes on to its next task; the main process writes the outcomes that arrived
+together in one statement (:meth:`~celery_lease.store.Store.finish_many`,
 :meth:`~celery_lease.store.Store.retry_many`), then publishes the retries' messages,
 each with what is left of its countdown: a retry's message goes out only once its
 row is PENDING, as when the pool process wrote it.
 
-The hand-over is one datagram on a Unix socket pair created before the pool forks,
-so every child inherits the sending end: a datagram is queued whole or not at all
-(a child killed mid-send leaves nothing half-written, and holds no lock), and once
-``send`` returns the outcome is in the kernel's queue of the main process, which
-outlives the child. The queue is bounded (the socket's send buffer) and so is the
-writer's own buffer: when the database is slow or down the writer stops reading,
-the queue fills, and the children's hand-over blocks, holding the pool back rather
-than growing memory.
+The writer's own buffer is bounded, and so is the channel: when the database is slow
+or down the writer stops reading, the channel fills, and the children's hand-over
+blocks, holding the pool back rather than growing memory.
 
 What a buffered outcome costs if the whole worker dies before it is written: the
 row is still RUNNING under the dead worker's heartbeat, so its lease expires after
@@ -35,50 +31,34 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
-import os
 import select
-import socket
 import threading
 import time
 from typing import Any
 
 from celery import Celery
 
-from . import _message
-from ._apps import AppRegistry
-from ._crashpoints import crash_point
-from .exceptions import StoreError
-from .states import State
-from .store import Lease, Outcome, Store
+from ..._crashpoints import crash_point
+from ...exceptions import StoreError
+from ...producer import message as _message
+from ...states import State
+from ...store import Outcome, Store
+from ..protocol import MAX_HAND_OVER, OutcomeChannel
 
 logger = logging.getLogger("celery_lease")
-
-#: Outcomes handed to the writer instead of being written by the pool process. FAILED
-#: stays write-through: Celery reports FAILURE (result backend, ``link_error``, a
-#: chord's error) in the child right after the outcome, and nothing may say FAILURE
-#: unless the row is FAILED, even for a worker lost with the outcome buffered.
-HANDED_OVER = frozenset({State.SUCCEEDED, State.CANCELLED, State.RETRY_WAIT})
 
 #: Longest the writer sleeps, with a batch pending, before it reads what arrived and
 #: checks the batch's size again (its age is checked when it is due).
 _GLANCE = 0.01
 
-#: Send buffer of the hand-over socket: room for a few hundred outcomes.
-_SEND_BUFFER = 1 << 20
-#: Largest outcome handed over (a result of the default ``lease_result_max_bytes``, 64
-#: KiB, fits); a larger one is written by the pool process itself.
-MAX_HAND_OVER = 256 * 1024
-
-_writers: AppRegistry[OutcomeWriter] = AppRegistry()
-
 
 class OutcomeWriter:
-    """The hand-over channel (both ends) and the writer thread of one worker.
+    """The writer thread of one worker, and the channel it reads.
 
-    Created in the worker's main process before the pool forks; the children use
-    :meth:`hand_over` only, the main process runs the thread and :meth:`flush`.
+    Created in the worker's main process before the pool forks, so that the children
+    inherit the channel's sending end; the main process runs the thread and
+    :meth:`flush`.
     """
 
     def __init__(
@@ -97,12 +77,8 @@ class OutcomeWriter:
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.capacity = max(buffer, batch_size)
-        self._recv, self._send = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._send.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
-        self._send.settimeout(hand_over_timeout)
-        self._recv.setblocking(False)
-        #: the worker's main process (the pool processes are forked from it)
-        self.owner = os.getpid()
+        self.channel = OutcomeChannel(app, hand_over_timeout)
+        self._recv = self.channel.receiving
         # read into one buffer, larger than any hand-over (never truncated)
         self._chunk = bytearray(2 * MAX_HAND_OVER)
         #: guards the buffer and reading the socket (short holds)
@@ -120,47 +96,20 @@ class OutcomeWriter:
         self.rejected = 0
         #: retries written whose message this writer could not publish (the reaper does)
         self.unpublished = 0
-        #: set by :meth:`close`: later outcomes of this process are written through
-        self.closed = False
         self._app = app
-        _writers[app] = self
 
-    # -- the pool side -------------------------------------------------------------
+    @property
+    def owner(self) -> int:
+        """The worker's main process (the pool processes are forked from it)."""
+        return self.channel.owner
+
+    @owner.setter
+    def owner(self, pid: int) -> None:
+        self.channel.owner = pid
 
     def hand_over(self, outcome: Outcome, task_name: str) -> bool:
-        """Give ``outcome`` to the main process's writer; ``False`` when it could not be
-        (too large for one datagram, the writer gone or stuck past the timeout): the
-        caller then writes it itself."""
-        lease = outcome.lease
-        blob = json.dumps(
-            [
-                lease.task_id,
-                lease.attempt,
-                lease.token,
-                outcome.to.value,
-                outcome.reason,
-                outcome.result,
-                outcome.error,
-                task_name,
-                outcome.delay,
-                outcome.message,
-                time.monotonic(),  # the system's clock: the same in every process
-            ],
-            separators=(",", ":"),
-        ).encode()
-        if len(blob) > MAX_HAND_OVER:
-            return False
-        try:
-            self._send.send(blob)
-        except OSError as error:  # EMSGSIZE, a timeout (socket.timeout is an OSError)
-            logger.warning(
-                "task %s[%s]: outcome not handed to the writer (%s): written directly",
-                task_name,
-                lease.task_id,
-                error,
-            )
-            return False
-        return True
+        """Send ``outcome`` over the channel as a pool process does (tests, benchmarks)."""
+        return self.channel.send(outcome, task_name)
 
     # -- the main process ------------------------------------------------------------
 
@@ -174,21 +123,14 @@ class OutcomeWriter:
                 size = self._recv.recv_into(self._chunk)
             except (BlockingIOError, InterruptedError):
                 return
-            blob = self._chunk[:size]
             try:
-                (task_id, attempt, token, to, reason, result, error, name, delay, message, at) = (
-                    json.loads(blob)
-                )
-                lease = Lease(str(task_id), int(attempt), str(token))
-                outcome = Outcome(
-                    lease, State(to), str(reason), result, error, float(delay), message
-                )
+                outcome, name, at = OutcomeChannel.decode(self._chunk[:size])
             except (ValueError, TypeError) as bad:  # never from our own children
                 logger.error("celery-lease: unreadable outcome hand-over dropped: %s", bad)
                 continue
             if not self._buffer:
                 self._oldest = time.monotonic()
-            self._buffer.append(_Buffered(outcome, str(name), float(at)))
+            self._buffer.append(_Buffered(outcome, name, at))
             crash_point("outcome_buffered")
 
     def _due(self) -> bool:
@@ -350,9 +292,7 @@ class OutcomeWriter:
     def close(self) -> int:
         """Stop the thread and write what is left; how many outcomes could not be
         written (their leases expire, and the tasks re-run skipping recorded steps)."""
-        self.closed = True
-        if _writers.get(self._app) is self:
-            del _writers[self._app]
+        self.channel.retire()
         self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)
@@ -368,8 +308,7 @@ class OutcomeWriter:
             )
             return left
         finally:
-            self._recv.close()
-            self._send.close()
+            self.channel.close()
         return 0
 
 
@@ -391,37 +330,3 @@ def writer_config(cfg: Any) -> dict[str, Any]:
         "buffer": cfg.outcome_buffer,
         "hand_over_timeout": cfg.db_timeout * 3,
     }
-
-
-def hand_over(
-    app: Celery,
-    request: Any,
-    fenced: bool,
-    task_name: str,
-    outcome: Outcome,
-) -> bool:
-    """Hand a pool process's outcome to its worker's writer; ``False``: the caller
-    writes it itself (write-through).
-
-    Written through: outcomes other than SUCCEEDED, CANCELLED and a retry carrying its
-    message, every outcome with ``lease_outcome_write_through``, a self-fenced
-    worker's (its leases are being expired), the final outcome of a task with
-    callbacks, a chain or a chord (its follow-ups are recorded with the outcome and
-    published right after it, by the pool process, so the row must be final first, or
-    a worker lost with the outcome buffered would run them again; a retry runs none of
-    them: see :mod:`celery_lease._follow_ups`), and
-    a task run in the worker's main process itself (solo and threads pools, and
-    ``celery.contrib.pytest``'s in-process worker): there the caller that sees
-    Celery's result may read the row next, and it must be final.
-    """
-    if outcome.to not in HANDED_OVER or fenced:
-        return False
-    retry = outcome.to is State.RETRY_WAIT
-    if retry and outcome.message is None:
-        return False
-    writer = _writers.get(app)
-    if writer is None or writer.closed or os.getpid() == writer.owner:
-        return False
-    if not retry and (request.chord or request.callbacks or request.errbacks or request.chain):
-        return False
-    return writer.hand_over(outcome, task_name)

@@ -3,7 +3,8 @@
 Celery sends a group's members one at a time (``group._apply_tasks``), and offers no
 hook around that loop. So that a project's existing groups and chord headers get the
 multi-row statements of :func:`celery_lease.bulk` with no change to their code,
-``celery.canvas.group.apply_async`` is wrapped once, when :mod:`celery_lease.task` is
+``celery.canvas.group.apply_async`` is wrapped once, when the first leased task binds to
+an app (where :func:`celery_lease.install` hooks the app in), not when celery-lease is
 imported: a group with a leased member, on an app that is not eager and outside any
 ``bulk()`` block, runs Celery's own ``apply_async`` inside a ``bulk()`` block of its
 app. Celery builds every member's message as before; the leased members' rows are
@@ -15,6 +16,12 @@ exist, as with plain Celery. Members that are not leased are sent by Celery at o
 member). A group inside a ``bulk()`` block is collected by that block. A group (or
 chord header) built from a generator is not batched: Celery sends each member as the
 generator yields it, and so does the lease (one committed row per member).
+
+Why a wrapper of Celery's class and not a hook of the app: ``group`` is one class for
+every app, and nothing per app sees the loop as a whole. ``app.producer_or_acquire``
+is entered around the loop, but also around every other publication, and cannot tell
+a group from a generator (which must stream) from one from a list. The wrapper does
+nothing for a group without a leased member.
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ from typing import Any
 from celery import Celery
 from celery.canvas import Signature, group
 
-from ._runtime import runtime
-from ._submission import bulk, in_bulk
+from .._runtime import runtime
+from .submission import bulk, in_bulk
 
 #: Marks the wrapper, so that installing twice wraps once.
 _MARK = "_celery_lease_batches"

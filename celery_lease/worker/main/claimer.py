@@ -49,15 +49,13 @@ from typing import Any
 from celery.concurrency import prefork
 from celery.worker import state as worker_state
 
-from ._incarnation import Incarnation
-from ._runtime import Runtime
-from .exceptions import StoreError
-from .store import Claim, Lease
+from ..._incarnation import Incarnation
+from ..._runtime import Runtime
+from ...exceptions import StoreError
+from ...store import Claim
+from ..protocol import CLAIM_KEY, claim_header
 
 logger = logging.getLogger("celery_lease.worker")
-
-#: The request key that carries a claim made ahead to the pool process.
-CLAIM_KEY = "lease_claim"
 
 #: A job for the pool, as a request hands it over: (the pool's apply_async, target,
 #: args, kwargs, options).
@@ -177,7 +175,7 @@ class Claimer:
                         del self._entries[request.id]
             self._starts.append(time.monotonic())
             if entry is not None and entry.claim is not None and isinstance(request_dict, dict):
-                request_dict[CLAIM_KEY] = header(entry.claim, self.inc)
+                request_dict[CLAIM_KEY] = claim_header(entry.claim, self.inc)
             return apply_async(target, args, kwargs, **options)
 
         return with_claims
@@ -211,7 +209,7 @@ class Claimer:
             apply_async, target, args, kwargs, options = entry.call
             self._starts.append(time.monotonic())
             if entry.claim is not None:
-                args[2][CLAIM_KEY] = header(entry.claim, self.inc)
+                args[2][CLAIM_KEY] = claim_header(entry.claim, self.inc)
             try:
                 result = apply_async(target, args, kwargs, **options)
             except Exception as error:  # Celery's worker logs and drops it the same way
@@ -343,39 +341,6 @@ def _strip(request_dict: Any) -> None:
         request_dict.pop(CLAIM_KEY, None)
 
 
-def header(claim: Claim, inc: Incarnation) -> dict[str, Any]:
-    """A claim as the request carries it to the pool process."""
-    return {
-        "owner": inc.id,
-        "task_id": claim.lease.task_id,
-        "attempt": claim.lease.attempt,
-        "token": claim.lease.token,
-        "retries": claim.retries,
-        "recoveries": claim.recoveries,
-        "resumed": claim.resumed,
-        "cancel_requested": claim.cancel_requested,
-    }
-
-
-def claimed_ahead(request: Any, inc: Incarnation, task_id: str, enabled: bool) -> Claim | None:
-    """The claim the main process made ahead for this delivery (``None``: the pool
-    process claims it). Taken off the request, so that nothing Celery builds from the
-    request (a retry's message) carries it; only ever trusted from a worker that claims
-    ahead (``enabled``), whose main process removes any such key a message brings."""
-    found = vars(request).pop(CLAIM_KEY, None)
-    if not enabled or not isinstance(found, dict):
-        return None
-    if found.get("owner") != inc.id or found.get("task_id") != task_id:
-        return None  # not this worker's claim for this delivery: claim it here
-    return Claim(
-        lease=Lease(task_id, int(found["attempt"]), str(found["token"])),
-        retries=int(found["retries"]),
-        recoveries=int(found["recoveries"]),
-        resumed=bool(found["resumed"]),
-        cancel_requested=bool(found["cancel_requested"]),
-    )
-
-
 def start_for(worker: Any, rt: Runtime, inc: Incarnation) -> Claimer | None:
     """Start the claimer of a worker that claims ahead: ``lease_claim_ahead`` set, a
     prefork pool driven by the worker's event loop. ``None`` for any other worker (its
@@ -415,4 +380,4 @@ def start_for(worker: Any, rt: Runtime, inc: Incarnation) -> Claimer | None:
     return claimer
 
 
-__all__ = ["CLAIM_KEY", "Claimer", "claimed_ahead", "header", "start_for"]
+__all__ = ["Claimer", "start_for"]

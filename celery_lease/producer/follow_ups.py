@@ -30,6 +30,7 @@ once per (task id, index) and publishes the chord's callback once.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import logging
@@ -40,16 +41,21 @@ from typing import Any
 
 from celery import Celery, group, signature, states
 
-from ._message import request_context
-from .store import FollowUps, Store
+from ..store import FollowUps, Store
+from .message import request_context
 
 logger = logging.getLogger("celery_lease")
 
 #: Namespace of the ids given to ``link`` callbacks that have none (see :func:`callback_id`).
 _NAMESPACE = uuid.UUID("6f1f7d0c-8e5b-4c9e-9d0a-3f9c1f1f0a11")
 
-#: Attribute of the request that carries what :func:`take` took, until :func:`finish`.
-_TAKEN = "lease_follow_ups"
+#: What :func:`take` took out of the request this thread runs, until :func:`finish`:
+#: (that request, what was taken). Kept beside Celery's request, never on it; a later
+#: request of the same thread is another object, so a take never finished (the task
+#: failed after it) is never taken for that request's.
+_taken: contextvars.ContextVar[tuple[Any, Taken] | None] = contextvars.ContextVar(
+    "celery_lease_follow_ups", default=None
+)
 
 
 def recorded(request: Any) -> bool:
@@ -86,7 +92,7 @@ def take(request: Any) -> Taken:
     request.callbacks = None
     request.chain = None
     request.chord = None
-    setattr(request, _TAKEN, taken)
+    _taken.set((request, taken))
     return taken
 
 
@@ -150,7 +156,8 @@ def send_taken(task: Any, store: Store, taken: Taken, result: Any) -> None:
 
 def taken(request: Any) -> bool:
     """Whether :func:`take` took follow-ups out of ``request`` and :func:`finish` is due."""
-    return getattr(request, _TAKEN, None) is not None
+    found = _taken.get()
+    return found is not None and found[0] is request
 
 
 def finish(task: Any, store: Store, result: Any) -> None:
@@ -158,10 +165,11 @@ def finish(task: Any, store: Store, result: Any) -> None:
     the result, as Celery's ``mark_as_done`` does), then its follow-ups marked
     published. Anything not done is left to the reaper."""
     request = task.request
-    taken: Taken | None = getattr(request, _TAKEN, None)
-    if taken is None:
+    found = _taken.get()
+    if found is None or found[0] is not request:
         return
-    setattr(request, _TAKEN, None)
+    _taken.set(None)
+    taken = found[1]
     if not taken.sent or taken.chord_request is None:
         return
     task_id = str(request.id)
@@ -237,7 +245,7 @@ def _replay_one(app: Celery, row: FollowUps) -> None:
     result = json.loads(row.result) if row.result is not None else None
     # the same messages again, not new submissions: a follow-up whose row exists (its
     # first publication got through) is that task, even if it has finished since
-    from ._submission import resending  # submission imports the runtime, which imports us
+    from .submission import resending  # submission imports the runtime, which imports us
 
     with resending():
         send(app, row.id, request, list(request.callbacks or ()), list(request.chain or ()), result)

@@ -1,0 +1,1 @@
+"""The producer side: submitting leased tasks, their stored message, publishing."""
