@@ -384,17 +384,30 @@ class PublishedMarks:
             self._ids.append(task_id)
             if len(self._ids) >= self.batch:
                 self._cond.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-lease-published", daemon=True
-                )
-                self._thread.start()
+        self._start()
 
     def take(self) -> list[str]:
-        """Every waiting id, for the caller to record in a statement it sends anyway."""
+        """Every waiting id, for the caller to record in a statement it sends anyway.
+
+        Called by a submit before its publish, it also starts the background thread: a
+        thread start waits for the new thread, and after the publish that wait would
+        let other threads of the process (an in-process worker's consumer) run before
+        ``apply_async`` returns, as it does not in plain Celery."""
+        self._start()
         with self._cond:
             ids, self._ids = self._ids, []
         return ids
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        with self._cond:
+            if self._thread is not None:
+                return
+            thread = self._thread = threading.Thread(
+                target=self._run, name="celery-lease-published", daemon=True
+            )
+        thread.start()
 
     def put_back(self, ids: Sequence[str]) -> None:
         """Ids taken with :meth:`take` whose statement failed."""
