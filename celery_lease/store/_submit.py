@@ -344,6 +344,8 @@ def _run_all(pending: Sequence[_Pending]) -> None:
 # -- published marks ------------------------------------------------------------------
 
 _LIVE: weakref.WeakSet[PublishedMarks] = weakref.WeakSet()
+#: Seconds between an idle marks thread's checks that its store still exists.
+_IDLE_CHECK = 5.0
 
 
 class PublishedMarks:
@@ -352,7 +354,8 @@ class PublishedMarks:
     def __init__(
         self, record: Callable[[Sequence[str]], None], *, delay: float = 0.005, batch: int = 500
     ) -> None:
-        self._record = record
+        # weakly: this thread must not keep a store alive whose app is gone
+        self._record = weakref.WeakMethod(record)
         self.delay = delay
         self.batch = batch
         self._reset()
@@ -425,8 +428,11 @@ class PublishedMarks:
             ids = self.take()
             if not ids:
                 return
+            record = self._record()
+            if record is None:
+                return
             try:
-                self._record(ids)
+                record(ids)
             except StoreError as error:
                 # harmless: re-published after lease_publish_grace, dropped at claim
                 logger.warning(
@@ -437,7 +443,9 @@ class PublishedMarks:
         while True:
             with self._cond:
                 while not self._ids:
-                    self._cond.wait()
+                    self._cond.wait(_IDLE_CHECK)
+                    if not self._ids and self._record() is None:
+                        return  # the store is gone
                 wait = self._since + self.delay - time.monotonic()
                 if wait > 0 and len(self._ids) < self.batch:
                     self._cond.wait(wait)
