@@ -10,12 +10,13 @@ from __future__ import annotations
 import getpass
 import os
 import threading
+import weakref
 from typing import Any
 
 from celery import Celery
 
 from . import config as _config
-from ._apps import AppRegistry
+from ._apps import AppRegistry, real_app
 from ._broker import bound_sockets
 from ._incarnation import Incarnation, SharedFlags
 from .notify import attach
@@ -36,7 +37,9 @@ class Runtime:
     """celery-lease state attached to one Celery app (created on first use)."""
 
     def __init__(self, app: Celery) -> None:
-        self.app = app
+        # weakly: the registry's entry (and the store with its connections and threads)
+        # goes when the app does (Celery's pytest fixtures make an app per test)
+        self._app = weakref.ref(app)
         self.installed = False
         self.incarnation: Incarnation | None = None
         #: Names of the app's leased tasks (recorded as each binds to the app).
@@ -46,6 +49,13 @@ class Runtime:
         self._store_pid = 0
         self._lock = threading.Lock()
         self._pauses: PauseCache | None = None
+
+    @property
+    def app(self) -> Celery:
+        app = self._app()
+        if app is None:
+            raise RuntimeError("the app of this runtime is gone")
+        return app
 
     @property
     def pauses(self) -> PauseCache:
@@ -112,7 +122,7 @@ def runtime(app: Celery) -> Runtime:
         with _lock:
             rt = _runtimes.get(app)
             if rt is None:
-                rt = _runtimes[app] = Runtime(app)
+                rt = _runtimes[app] = Runtime(real_app(app))
     return rt
 
 

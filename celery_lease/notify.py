@@ -34,6 +34,7 @@ from typing import Any
 
 from celery import Celery
 
+from ._apps import real_app
 from .exceptions import TaskFailed
 from .producer import follow_ups as _follow_ups
 from .producer.message import request_context
@@ -209,7 +210,8 @@ class Notifier:
         backend: bool = True,
         max_queue: int = 10_000,
     ) -> None:
-        self.app = app
+        # weakly: a notifier must not keep a dropped app (and its store) alive
+        self._app = weakref.ref(real_app(app))
         self.store = store
         self.events = events
         self.backend = backend
@@ -233,6 +235,13 @@ class Notifier:
         # locks and the queue may have been held by the parent's thread at fork time
         os.register_at_fork(after_in_child=_after_fork)
         atexit.register(_at_exit)
+
+    @property
+    def app(self) -> Celery:
+        app = self._app()
+        if app is None:
+            raise RuntimeError("the app of this notifier is gone")
+        return app
 
     def _reset(self) -> None:
         self._lock = threading.Lock()

@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -162,6 +163,9 @@ class StoreBase:
     def __init__(self, config: LeaseConfig) -> None:
         self.config = config
         self.engine = _db.create(config)
+        # a store dropped with its app (Celery's pytest fixtures make an app per test)
+        # closes its pooled connections at once, not when the server notices
+        weakref.finalize(self, self.engine.dispose).atexit = False
         self.url = safe_url(self.engine.url)
         self.t: Tables = build(config.table_prefix, config.schema, config.origin)
         self.dialect = self.engine.dialect.name

@@ -344,6 +344,8 @@ def _run_all(pending: Sequence[_Pending]) -> None:
 # -- published marks ------------------------------------------------------------------
 
 _LIVE: weakref.WeakSet[PublishedMarks] = weakref.WeakSet()
+#: Seconds between an idle marks thread's checks that its store still exists.
+_IDLE_CHECK = 5.0
 
 
 class PublishedMarks:
@@ -352,7 +354,8 @@ class PublishedMarks:
     def __init__(
         self, record: Callable[[Sequence[str]], None], *, delay: float = 0.005, batch: int = 500
     ) -> None:
-        self._record = record
+        # weakly: this thread must not keep a store alive whose app is gone
+        self._record = weakref.WeakMethod(record)
         self.delay = delay
         self.batch = batch
         self._reset()
@@ -384,17 +387,30 @@ class PublishedMarks:
             self._ids.append(task_id)
             if len(self._ids) >= self.batch:
                 self._cond.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-lease-published", daemon=True
-                )
-                self._thread.start()
+        self._start()
 
     def take(self) -> list[str]:
-        """Every waiting id, for the caller to record in a statement it sends anyway."""
+        """Every waiting id, for the caller to record in a statement it sends anyway.
+
+        Called by a submit before its publish, it also starts the background thread: a
+        thread start waits for the new thread, and after the publish that wait would
+        let other threads of the process (an in-process worker's consumer) run before
+        ``apply_async`` returns, as it does not in plain Celery."""
+        self._start()
         with self._cond:
             ids, self._ids = self._ids, []
         return ids
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        with self._cond:
+            if self._thread is not None:
+                return
+            thread = self._thread = threading.Thread(
+                target=self._run, name="celery-lease-published", daemon=True
+            )
+        thread.start()
 
     def put_back(self, ids: Sequence[str]) -> None:
         """Ids taken with :meth:`take` whose statement failed."""
@@ -412,8 +428,11 @@ class PublishedMarks:
             ids = self.take()
             if not ids:
                 return
+            record = self._record()
+            if record is None:
+                return
             try:
-                self._record(ids)
+                record(ids)
             except StoreError as error:
                 # harmless: re-published after lease_publish_grace, dropped at claim
                 logger.warning(
@@ -424,7 +443,9 @@ class PublishedMarks:
         while True:
             with self._cond:
                 while not self._ids:
-                    self._cond.wait()
+                    self._cond.wait(_IDLE_CHECK)
+                    if not self._ids and self._record() is None:
+                        return  # the store is gone
                 wait = self._since + self.delay - time.monotonic()
                 if wait > 0 and len(self._ids) < self.batch:
                     self._cond.wait(wait)

@@ -20,7 +20,28 @@ SUITE_FILES = (
 )
 
 #: Test id (as ``scripts/celery_suite.py`` prints it) -> why its outcome differs by design.
-REVIEWED: dict[str, str] = {}
+REVIEWED: dict[str, str] = {
+    "t/integration/test_tasks.py::test_tasks::test_task_retried_priority": (
+        "passes alone, plain and leased, on both stores (a retry keeps priority 7: "
+        "tests/integration/test_retry_priority.py). In the whole file it waits behind an "
+        "earlier test's canvases (test_revoked_by_headers_complex_canvas, which fails plain "
+        "too): the suite's Manager purges the broker between tests, which ends a plain task "
+        "for good, while a leased task's row is still PENDING and its message, lost to the "
+        "lease, is published again by the reaper after lease_republish_after (60 s). That "
+        "backlog of sleeping(2) tasks reaches the queue as this test runs, and Redis serves "
+        "the queue's own list before its priority-7 list, so the result does not come within "
+        "the test's 10 s. A purge does not cancel a leased task, by design: the row, not the "
+        "broker, holds the task (docs/what-stays-the-same.md)."
+    ),
+    "t/integration/test_canvas.py::test_chain::"
+    "test_chord_header_id_duplicated_on_rabbitmq_msg_duplication[redis-group-ids]": (
+        "RabbitMQ only (an expected failure on Redis, plain and leased). The test publishes "
+        "the chain's first task a second time, as a broker that duplicates a message "
+        "would, and expects the chain, chord header included, to run twice. A leased task "
+        "runs once per task id: the second copy is dropped at claim (crash-point matrix "
+        "row 15), so the header runs once and the test's list holds one group id, not two."
+    ),
+}
 
 #: Test ids CI runs, plain and leased (pytest node ids inside the unpacked sdist). The
 #: first four and the last five failed leased before their fix (measured with the script).
@@ -49,4 +70,7 @@ CI_SUBSET = (
     "t/integration/test_tasks.py::test_tasks::test_wrong_arguments",
     # a chord in a group body: its errback runs once
     "t/integration/test_canvas.py::test_chord::test_link_error_option_runs_once_for_chord_in_group_body_with_link_error",
+    # a retry keeps the priority the task was sent with (alone it passes leased; the
+    # whole file's outcome is in REVIEWED)
+    "t/integration/test_tasks.py::test_tasks::test_task_retried_priority",
 )
