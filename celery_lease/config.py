@@ -252,7 +252,7 @@ class LeaseConfig:
     #: their rows in multi-row statements, as inside ``celery_lease.bulk()``.
     batch_groups: bool = True
     #: A prefork worker's main process claims the deliveries it takes from the broker
-    #: together in one statement, before the pool runs them (``celery_lease._claimer``).
+    #: together in one statement, before the pool runs them (``celery_lease.worker.main.claimer``).
     claim_ahead: bool = False
     #: The broker this app publishes to (``lease_origin``; default: its ``broker_url``
     #: without the password, ``None``: not known). Every row and worker row records it,

@@ -4,7 +4,7 @@ and the fenced writes of a running task (steps, progress, lease checks).
 
 Claims in batches are the deliveries a worker took from the broker together, claimed
 in one statement by its main process (``lease_claim_ahead``, see
-:mod:`celery_lease._claimer`). Only the common case is batched: a PENDING row that is
+:mod:`celery_lease.worker.main.claimer`). Only the common case is batched: a PENDING row that is
 due, whose task retries by itself on a lost lease (``on_timeout = 'retry'``) and has
 no ``max_runtime`` (a row claimed ahead waits for a free pool process, and that wait
 must not count against a runtime limit). A delivery the batch does not claim (no row,

@@ -65,7 +65,7 @@ class NewTask:
     max_retries: int | None = None
     on_timeout: str = "retry"
     on_exhausted: str = "fail"
-    #: The message Celery built for the task (see ``celery_lease._message``).
+    #: The message Celery built for the task (see ``celery_lease.producer.message``).
     message: str | None = None
     #: A second publication of a message already submitted once (a follow-up sent
     #: again after a crash), not a new submission: a row with its id, even finished,
