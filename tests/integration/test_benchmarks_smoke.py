@@ -133,3 +133,21 @@ def test_the_main_process_benchmark_prints_its_table(pg_url: str, redis_url: str
         "| LeasedTask, PostgreSQL",
         "| LeasedTask, PostgreSQL, claims ahead",
     ]
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_the_store_lifecycle_benchmark_prints_its_table(pg_url: str, redis_url: str) -> None:
+    proc = _run(
+        ["bench_store_lifecycle.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 200
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| form | lifecycles/s | client CPU ms | PostgreSQL CPU ms | WAL bytes |"
+    # 2 rounds of 100 to warm up, 2 measured, then 20 one by one: every row finished
+    assert "PostgreSQL, 420 rows" in proc.stdout
+    for row in rows[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[1].replace(",", "")) > 0  # lifecycles/s
+        assert float(cells[4].replace(",", "")) > 0  # WAL bytes written
