@@ -308,6 +308,21 @@ def store_url(kind: str, ctx: Context, tag: str) -> str:
     return f"sqlite:///{ctx.work_dir / f'{tag}.sqlite3'}"
 
 
+def noop_row(task_id: str) -> Any:
+    """A no-op task's row as a producer writes it (for benchmarks of the store alone)."""
+    from celery_lease.store import NewTask
+
+    return NewTask(
+        id=task_id,
+        name="bench.noop",
+        args="[0]",
+        kwargs="{}",
+        options="{}",
+        lease_ttl=30.0,
+        max_recoveries=5,
+    )
+
+
 def lease_config(url: str, schema: str | None, **overrides: Any) -> Any:
     from celery_lease.config import LeaseConfig
 

@@ -25,14 +25,14 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PG_URL, lease_config, libpq_url, pg_schema
+from _common import PG_URL, lease_config, libpq_url, noop_row, pg_schema
 
 
 def main(n: int) -> None:
     import psycopg
 
     from celery_lease.states import State
-    from celery_lease.store import Claim, NewTask, Store
+    from celery_lease.store import Claim, Store
 
     rows: dict[str, list[float]] = {}
 
@@ -61,15 +61,7 @@ def main(n: int) -> None:
                 with timed(f"INSERT one row, commit, synchronous_commit={mode}"):
                     conn.execute(f'INSERT INTO "{schema}".probe VALUES ({i})'.encode())
                 tid = uuid.uuid4().hex
-                new = NewTask(
-                    id=tid,
-                    name="bench.noop",
-                    args="[0]",
-                    kwargs="{}",
-                    options="{}",
-                    lease_ttl=30.0,
-                    max_recoveries=5,
-                )
+                new = noop_row(tid)
                 with timed(f"store.submit, synchronous_commit={mode}"):
                     store.submit(new)
                 with timed(f"store.claim, synchronous_commit={mode}"):

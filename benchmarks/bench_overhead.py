@@ -45,6 +45,7 @@ from _common import (
     loadavg,
     median,
     new_queue,
+    noop_row,
     pg_backends,
     pg_schema,
     proc_cpu,
@@ -406,7 +407,7 @@ def wire_lifecycle(ctx: Context, schema: str, n: int) -> dict[str, float]:
     published (``mark_published_soon``: carried by the next submit, the last ones
     flushed in one statement); then a worker claims and finishes each."""
     from celery_lease.states import State
-    from celery_lease.store import NewTask, Store
+    from celery_lease.store import Store
 
     store = Store(lease_config(PG_URL, schema))
     store.register_worker("wire-w", "wire@bench", "bench", 1)
@@ -417,15 +418,7 @@ def wire_lifecycle(ctx: Context, schema: str, n: int) -> dict[str, float]:
             store.ping()  # connect outside the counted calls
             before = trips()
             for tid in ids:
-                new = NewTask(
-                    id=tid,
-                    name="bench.noop",
-                    args="[0]",
-                    kwargs="{}",
-                    options="{}",
-                    lease_ttl=30.0,
-                    max_recoveries=5,
-                )
+                new = noop_row(tid)
                 store.submit(new)
                 store.mark_published_soon(tid)
             flush_published(store)

@@ -29,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import PG_URL, lease_config, libpq_url, pg_schema
+from _common import PG_URL, lease_config, libpq_url, noop_row, pg_schema
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     import psycopg
 
     from celery_lease.states import State
-    from celery_lease.store import Claim, NewTask, Outcome, Store
+    from celery_lease.store import Claim, Outcome, Store
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=100)
@@ -90,17 +90,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.rounds, args.single = 2, 20
 
-    def new(tid: str) -> NewTask:
-        return NewTask(
-            id=tid,
-            name="bench.noop",
-            args="[0]",
-            kwargs="{}",
-            options="{}",
-            lease_ttl=30.0,
-            max_recoveries=5,
-        )
-
     with pg_schema("lifecycle") as schema:
         store = Store(lease_config(PG_URL, schema))
         store.migrate()
@@ -110,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         def batched() -> None:
             for _ in range(args.rounds):
                 ids = [uuid.uuid4().hex for _ in range(args.batch)]
-                store.submit_many([new(t) for t in ids])
+                store.submit_many([noop_row(t) for t in ids])
                 claims = store.claim_many(
                     [(t, uuid.uuid4().hex) for t in ids], "w-bench", "worker:bench"
                 )
@@ -127,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         def single() -> None:
             for _ in range(args.single):
                 tid = uuid.uuid4().hex
-                store.submit(new(tid))
+                store.submit(noop_row(tid))
                 claim = store.claim(tid, "w-bench", "worker:bench")
                 assert isinstance(claim, Claim)
                 store.finish(claim.lease, State.SUCCEEDED, actor="worker:bench", reason="ok")
