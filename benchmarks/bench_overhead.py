@@ -325,7 +325,13 @@ def one_round(
         if counting:
             worker_env["BENCH_COUNT_SQL"] = counting
         worker = project.worker(
-            queue, pool=pool, concurrency=concurrency, env=worker_env, nodename=f"bench-{pool}@%h"
+            queue,
+            pool=pool,
+            concurrency=concurrency,
+            env=worker_env,
+            # a node name of its own: its pidbox queue is exclusive on the broker, and
+            # another benchmark may run on the same vhost
+            nodename=f"bench-{pool}-{uuid.uuid4().hex[:6]}@%h",
         ).start()
         timeout = 90 + n * (0.05 if task_kind == "sleep" else 0.02)
         # CPU from the first completion to the last (start-up excluded)
