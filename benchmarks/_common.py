@@ -597,8 +597,10 @@ def done_count(done_dir: Path) -> int:
 
 # -- CPU accounting -----------------------------------------------------------------------
 
-#: application_name of the benchmark's PostgreSQL connections (to find their backends)
-PG_APP_NAME = "celery-lease-bench"
+#: application_name of the benchmark's PostgreSQL connections (to find their backends):
+#: one per benchmark process, so that another benchmark running against the same server
+#: is not counted
+PG_APP_NAME = f"celery-lease-bench-{os.getpid()}"
 
 
 def with_app_name(url: str) -> str:
@@ -621,6 +623,29 @@ def proc_cpu(pids: list[int]) -> float:
     return total
 
 
+def proc_cpu_each(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each of these processes still alive."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            raw = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def proc_cpu_since(before: dict[int, float], born: Sequence[int] = ()) -> float:
+    """CPU seconds used since a :func:`proc_cpu_each` reading by its processes still
+    alive (one gone meanwhile, such as a closed connection's backend, takes its last
+    moments with it rather than counting negative) and by ``born``, processes that
+    started since (a connection opened meanwhile: all of its CPU is counted)."""
+    now = proc_cpu_each(sorted({*before, *born}))
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in now.items())
+
+
 def pg_backends() -> list[int]:
     """Server pids of the benchmark's PostgreSQL connections (see :data:`PG_APP_NAME`)."""
     import psycopg
@@ -630,3 +655,49 @@ def pg_backends() -> list[int]:
             "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (PG_APP_NAME,)
         ).fetchall()
     return [int(r[0]) for r in rows]
+
+
+def pg_wal_position() -> int:
+    """The server's current WAL position in bytes (``pg_current_wal_lsn()``): the
+    difference of two readings, ``pg_wal_lsn_diff``, is the WAL written between them by
+    every session of the server, the benchmark's and anyone else's."""
+    import psycopg
+
+    with psycopg.connect(libpq_url(PG_URL), autocommit=True, connect_timeout=5) as conn:
+        row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def broker_pids(broker_url: str) -> list[int]:
+    """The broker's server processes on this machine, to read their CPU from ``/proc``:
+    the ``redis-server`` that answers at ``broker_url`` (its ``INFO`` gives its pid), or
+    the ``beam.smp`` that boots RabbitMQ (its Erlang VM: it serves every vhost and user of
+    the server, not only the benchmark; the short-lived VMs of ``rabbitmqctl`` are left
+    out). Empty if the server is not a process here (another host, another pid
+    namespace): its CPU is then not measured."""
+    if broker_url.startswith("redis"):
+        import redis
+
+        client = redis.Redis.from_url(broker_url, socket_connect_timeout=5)
+        try:
+            pid = int(client.info("server").get("process_id", 0))
+        finally:
+            client.close()
+        return [pid] if pid and _comm(pid).startswith("redis-server") else []
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or _comm(int(entry)) != "beam.smp":
+                continue
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                if b"rabbit" in argv and b"boot" in argv:  # ``-s rabbit boot``
+                    found.append(int(entry))
+    return sorted(found)

@@ -37,6 +37,7 @@ from _common import (
     Context,
     Project,
     Section,
+    broker_pids,
     delete_queue,
     done_count,
     done_times,
@@ -48,7 +49,10 @@ from _common import (
     noop_row,
     pg_backends,
     pg_schema,
+    pg_wal_position,
     proc_cpu,
+    proc_cpu_each,
+    proc_cpu_since,
     pyplot,
     redis_client,
     save_plot,
@@ -186,6 +190,15 @@ class Round:
     #: the main process's CPU seconds per second while the tasks ran (1.0: a whole core,
     #: the most one Python process holding the GIL gets)
     main_busy: float = float("nan")
+    #: of ``worker_cpu_ms``, the pool processes (prefork's children; 0 for threads)
+    pool_cpu_ms: float = float("nan")
+    #: CPU milliseconds per task of the broker's server process (:func:`broker_pids`)
+    publish_broker_cpu_ms: float = float("nan")
+    worker_broker_cpu_ms: float = float("nan")
+    #: WAL bytes per task the PostgreSQL server wrote (every session of it, not only the
+    #: benchmark's: plain Celery's figure is what the rest of the machine wrote)
+    publish_wal_bytes: float = float("nan")
+    worker_wal_bytes: float = float("nan")
 
 
 class Env:
@@ -288,7 +301,9 @@ def one_round(
     try:
         task.apply_async((0, *extra), queue=queue)  # connections warm: not timed
         db_pids = pg_backends() if variant.store == "postgresql" else []
-        db0, cpu0 = proc_cpu(db_pids), time.process_time()
+        mq_pids = broker_pids(BROKERS[broker])
+        wal0, mq0 = pg_wal_position(), proc_cpu_each(mq_pids)
+        db0, cpu0 = proc_cpu_each(db_pids), time.process_time()
         t0 = time.perf_counter()
         for i in range(1, n):
             task.apply_async((i, *extra), queue=queue)
@@ -299,12 +314,24 @@ def one_round(
             flush_published(runtime(module.app).store)
         published = time.perf_counter() - t0
         publish_cpu = (time.process_time() - cpu0) * 1000 / (n - 1)
-        publish_db = (proc_cpu(db_pids) - db0) * 1000 / (n - 1) if db_pids else float("nan")
+        publish_db = (
+            proc_cpu_since(db0, pg_backends() if db_pids else []) * 1000 / (n - 1)
+            if db_pids
+            else float("nan")
+        )
+        publish_mq = proc_cpu_since(mq0) * 1000 / (n - 1) if mq_pids else float("nan")
+        publish_wal = (pg_wal_position() - wal0) / (n - 1)
         worker_env = {"BENCH_DONE_DIR": str(done_dir)}
         if counting:
             worker_env["BENCH_COUNT_SQL"] = counting
         worker = project.worker(
-            queue, pool=pool, concurrency=concurrency, env=worker_env, nodename=f"bench-{pool}@%h"
+            queue,
+            pool=pool,
+            concurrency=concurrency,
+            env=worker_env,
+            # a node name of its own: its pidbox queue is exclusive on the broker, and
+            # another benchmark may run on the same vhost
+            nodename=f"bench-{pool}-{uuid.uuid4().hex[:6]}@%h",
         ).start()
         timeout = 90 + n * (0.05 if task_kind == "sleep" else 0.02)
         # CPU from the first completion to the last (start-up excluded)
@@ -314,15 +341,28 @@ def one_round(
             f"{variant.name}: first task done",
         )
         first = done_count(done_dir)
-        own = [worker.pid, *worker.children()]
+        pool_pids = worker.children()
+        own = [worker.pid, *pool_pids]
         db_pids = pg_backends() if variant.store == "postgresql" else []
-        w0, d0, m0, t_w0 = proc_cpu(own), proc_cpu(db_pids), proc_cpu([worker.pid]), time.time()
+        wal0, q0 = pg_wal_position(), proc_cpu_each(mq_pids)
+        w0, d0, m0, t_w0 = (
+            proc_cpu(own),
+            proc_cpu_each(db_pids),
+            proc_cpu([worker.pid]),
+            time.time(),
+        )
         wait_for(
             lambda: worker.check_alive() or done_count(done_dir) >= n,
             timeout,
             f"{variant.name}: {n} tasks done",
         )
-        w1, d1, m1, t_w1 = proc_cpu(own), proc_cpu(db_pids), proc_cpu([worker.pid]), time.time()
+        w1, d, m1, t_w1 = (
+            proc_cpu(own),
+            proc_cpu_since(d0, pg_backends() if db_pids else []),
+            proc_cpu([worker.pid]),
+            time.time(),
+        )
+        wal1, q = pg_wal_position(), proc_cpu_since(q0)
         counted = max(n - first, 1)
         times = done_times(done_dir)
         span = times[-1] - times[0]
@@ -344,9 +384,14 @@ def one_round(
         publish_cpu,
         publish_db,
         (w1 - w0) * 1000 / counted,
-        (d1 - d0) * 1000 / counted if db_pids else float("nan"),
+        d * 1000 / counted if db_pids else float("nan"),
         (m1 - m0) * 1000 / counted,
         (m1 - m0) / (t_w1 - t_w0) if t_w1 > t_w0 else float("nan"),
+        ((w1 - w0) - (m1 - m0)) * 1000 / counted,
+        publish_mq,
+        q * 1000 / counted if mq_pids else float("nan"),
+        publish_wal,
+        (wal1 - wal0) / counted,
     )
 
 

@@ -7,6 +7,7 @@ the end against the real services, prints its figures, and writes the page.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -151,3 +152,97 @@ def test_the_store_lifecycle_benchmark_prints_its_table(pg_url: str, redis_url: 
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1].replace(",", "")) > 0  # lifecycles/s
         assert float(cells[4].replace(",", "")) > 0  # WAL bytes written
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+def _tables(stdout: str) -> list[list[list[str]]]:
+    """Every markdown table printed, as rows of cells (header first, rule dropped)."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for line in [*stdout.splitlines(), ""]:
+        if line.startswith("|"):
+            if not line.startswith("|---"):
+                current.append(_cells(line))
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+def _number(cell: str) -> float:
+    value = float(cell.replace(",", "").removesuffix(" ms"))
+    assert math.isfinite(value), cell
+    return value
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(900)
+def test_the_cpu_table_benchmark_prints_every_process_for_every_variant(
+    pg_url: str, redis_url: str
+) -> None:
+    proc = _run(
+        ["bench_cpu_table.py", "--quick", "--store", "both"],
+        REPO_ROOT / "benchmarks",
+        pg_url,
+        redis_url,
+        800,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    main, detail, delay, sleep = _tables(proc.stdout)
+
+    assert main[0] == [
+        "broker, pool",
+        "plain tasks/s",
+        "leased tasks/s",
+        "ratio",
+        "CPU ms per task plain → leased (main / pool / PostgreSQL / broker)",
+        "added",
+    ]
+    combos = [f"{b}, {p}" for b in ("Redis", "RabbitMQ") for p in ("prefork 2", "threads 8")]
+    assert [r[0] for r in main[1:]] == [
+        label for c in combos for label in (c, f"{c}, SQLite store")
+    ]
+    for row in main[1:]:
+        assert _number(row[1]) > 0 and _number(row[2]) > 0 and _number(row[3]) > 0
+        plain, leased = row[4].split(" → ")
+        for split in (plain, leased):
+            parts = [_number(x) for x in split.split(" / ")]  # the broker's too: found
+            assert len(parts) == 4 and min(parts) >= 0
+        _number(row[5])
+        if "SQLite" not in row[0]:
+            # the leased PostgreSQL store's backends were found and read
+            assert _number(leased.split(" / ")[2]) >= 0
+
+    assert detail[0][:3] == ["broker, pool", "variant", "tasks/s"]
+    assert detail[0][-1] == "WAL bytes / task"
+    variants = {r[1] for r in detail[1:]}
+    assert variants == {"plain Celery", "LeasedTask, PostgreSQL", "LeasedTask, SQLite"}
+    assert len(detail) == 1 + 4 * 3
+    for row in detail[1:]:
+        assert _number(row[2]) > 0
+        for cell in row[3:]:
+            _number(cell)
+
+    assert delay[0][:4] == ["broker", "plain calls/s", "leased calls/s", "ratio"]
+    assert [r[0] for r in delay[1:]] == [
+        "Redis",
+        "Redis, SQLite store",
+        "RabbitMQ",
+        "RabbitMQ, SQLite store",
+    ]
+    for row in delay[1:]:
+        assert _number(row[3]) > 0
+        for pair in (row[4], row[6], row[7]):
+            for x in pair.split(" → "):
+                _number(x)
+    assert _number(delay[1][5]) >= 0  # PostgreSQL CPU per call, PostgreSQL store
+
+    assert sleep[0][:4] == ["broker, pool", "plain tasks/s", "leased tasks/s", "ratio"]
+    assert len(sleep) == 1 + 4 * 2
+    for row in sleep[1:]:
+        assert _number(row[3]) > 0
