@@ -13,6 +13,8 @@ index each record's first block belongs to), with the full-page images apart.
 ``--message`` gives each row a message of that many bytes (a real no-op task's message
 is about 850 bytes; the store benchmark's rows carry none). Needs the ``pg_walinspect``
 extension in the benchmark database (created here if missing, which takes a superuser).
+Also printed: the CPU of the PostgreSQL backends serving the store's connections (found by
+``application_name``, read from ``/proc``: other sessions of a shared server are not counted).
 Not part of ``run_all.py``; its figures are quoted in ``docs/benchmarks.md``.
 """
 
@@ -33,6 +35,25 @@ if __package__ in (None, ""):
 from _common import PG_URL, lease_config, libpq_url, noop_row, pg_schema
 
 _REL = re.compile(r"rel \d+/\d+/(\d+)")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def backends_cpu(conn: object, name: str) -> float:
+    """CPU seconds (user + system) of the server processes serving the connections
+    named ``name`` (``application_name``): this benchmark's, not the server's others."""
+    pids = conn.execute(  # type: ignore[attr-defined]
+        b"SELECT pid FROM pg_stat_activity WHERE application_name = %s", (name,)
+    ).fetchall()
+    total = 0
+    for (pid,) in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICK
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     with pg_schema("walinspect") as schema:
-        store = Store(lease_config(PG_URL, schema))
+        app_name = f"lease-walbench-{os.getpid()}"
+        sep = "&" if "?" in PG_URL else "?"
+        store = Store(lease_config(f"{PG_URL}{sep}application_name={app_name}", schema))
         store.migrate()
         for statement in args.sql:
             conn0 = psycopg.connect(libpq_url(PG_URL), autocommit=True)
@@ -111,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         rounds(2)  # warm up: statements prepared, first pages written
         conn.execute(b"CHECKPOINT")  # every run starts after a checkpoint: FPIs comparable
         start = conn.execute(b"SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
+        cpu0 = backends_cpu(conn, app_name)
         rounds(args.rounds)
+        cpu = backends_cpu(conn, app_name) - cpu0
         end = conn.execute(b"SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
         names = dict(
             conn.execute(
@@ -120,11 +145,17 @@ def main(argv: list[str] | None = None) -> None:
                 (schema,),
             ).fetchall()
         )
-        records = conn.execute(
-            b"SELECT xid, resource_manager, record_type, record_length, fpi_length, block_ref "
-            b"FROM pg_get_wal_records_info(%s, %s)",
-            (start, end),
-        ).fetchall()
+        try:
+            records = conn.execute(
+                b"SELECT xid, resource_manager, record_type, record_length, fpi_length, "
+                b"block_ref FROM pg_get_wal_records_info(%s, %s)",
+                (start, end),
+            ).fetchall()
+        except psycopg.errors.UndefinedFile as error:
+            sys.exit(
+                f"the server recycled WAL written during the run before it was read ({error}): "
+                "run fewer rounds, or raise wal_keep_size"
+            )
         size = conn.execute(
             b"SELECT pg_relation_size(format('%%I.%%I', %s::text, 'lease_tasks')::regclass), "
             b'(SELECT count(*) FROM "' + schema.encode() + b'".lease_tasks)',
@@ -159,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'one by one' if args.single else f'{args.batch} per statement'}, "
         f"message {args.message} B, marks {'on' if args.marks else 'off'})"
     )
+    print(f"PostgreSQL CPU of its backends: {cpu / lifecycles * 1e3:.3f} ms per lifecycle")
     print(f"tasks table: {size[0] / size[1]:,.0f} bytes of heap per row ({size[1]} rows)")  # type: ignore[index]
     print("| resource manager | record | relation | records/lifecycle | bytes | FPI bytes |")
     print("|---|---|---|---|---|---|")

@@ -151,3 +151,19 @@ def test_the_store_lifecycle_benchmark_prints_its_table(pg_url: str, redis_url: 
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1].replace(",", "")) > 0  # lifecycles/s
         assert float(cells[4].replace(",", "")) > 0  # WAL bytes written
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_the_wal_breakdown_prints_what_a_lifecycle_writes(pg_url: str, redis_url: str) -> None:
+    proc = _run(["wal_breakdown.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert re.search(r"WAL per lifecycle: [\d,]+ bytes \(40 lifecycles", proc.stdout), output
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| resource manager | record | relation |")
+    relations = {row.split(" | ")[2] for row in rows[1:]}
+    # a lifecycle writes its row, its audit rows and their indexes; rows without a dedup
+    # key add nothing to the dedup index, and no (name, state) index is left to write
+    assert {"tasks", "transitions", "tasks_pkey", "transitions_task"} <= relations
+    assert not relations & {"tasks_dedup_key", "tasks_name_state"}
