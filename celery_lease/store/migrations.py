@@ -116,6 +116,11 @@ def _origin(conn: Connection, tables: Tables) -> None:
             )
 
 
+#: Indexes of the tasks table that a migration step dropped (without the table prefix):
+#: recorded query plans of earlier versions may name them.
+DROPPED_INDEXES: tuple[str, ...] = ("tasks_name_state",)
+
+
 def _narrow_state(conn: Connection, tables: Tables) -> None:
     """What a lifecycle's updates write, narrowed: no (name, state) index, a dedup
     index over the rows that have a key, and (PostgreSQL) room on each page for the new
@@ -129,7 +134,9 @@ def _narrow_state(conn: Connection, tables: Tables) -> None:
             return preparer.quote(name)
         return f"{preparer.quote_schema(tasks.schema)}.{preparer.quote(name)}"
 
-    conn.exec_driver_sql(f"DROP INDEX IF EXISTS {index(f'{tasks.name}_name_state')}")
+    prefix = tasks.name.removesuffix("tasks")
+    for name in DROPPED_INDEXES:
+        conn.exec_driver_sql(f"DROP INDEX IF EXISTS {index(prefix + name)}")
     # version 8's dedup index covers every row (a NULL key too): built again, partial
     for dedup in tasks.indexes:
         if dedup.name == f"{tasks.name}_dedup_key":
