@@ -184,11 +184,11 @@ SCHEMA_VERSION = 9
 
 #: PostgreSQL's fillfactor of the tasks table (schema version 9): part of each page is
 #: left free when rows are inserted, so that the updates of a task's lifecycle (the
-#: "published" mark, the claim, the outcome) mostly put the row's new version on its own
-#: page, where PostgreSQL writes to the WAL only the bytes that changed, not the message
-#: and arguments again. 70 measured best (``benchmarks/wal_breakdown.py``, docs/
-#: benchmarks.md): 50 wrote as little WAL but left one row per page when rows come one
-#: by one; 85 and 100 wrote more.
+#: "published" mark, the claim, the outcome) mostly put the row's new version on the
+#: same page as the old one, where PostgreSQL writes to the WAL only the bytes that
+#: changed, not the message and arguments again. Measured (``benchmarks/wal_breakdown.py``,
+#: docs/benchmarks.md): 50 wrote less WAL in batches but left one row per page when rows
+#: came one by one; 85 and 100 wrote more.
 TASKS_FILLFACTOR = 70
 
 #: The states retention deletes, written out as SQL so that a query naming them in the
