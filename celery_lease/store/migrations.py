@@ -19,7 +19,7 @@ from sqlalchemy.schema import CreateSchema, DropSchema
 from ..exceptions import SchemaOutOfDate
 from ._base import StoreBase
 from ._db import redact
-from .schema import SCHEMA_VERSION, Tables, db_now
+from .schema import SCHEMA_VERSION, TASKS_FILLFACTOR, Tables, db_now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +116,38 @@ def _origin(conn: Connection, tables: Tables) -> None:
             )
 
 
+#: Indexes of the tasks table that a migration step dropped (without the table prefix):
+#: recorded query plans of earlier versions may name them.
+DROPPED_INDEXES: tuple[str, ...] = ("tasks_name_state",)
+
+
+def _narrow_state(conn: Connection, tables: Tables) -> None:
+    """What a lifecycle's updates write, narrowed: no (name, state) index, a dedup
+    index over the rows that have a key, and (PostgreSQL) room on each page for the new
+    versions of its rows. Rows are not touched; the fillfactor applies to pages filled
+    from now on."""
+    tasks = tables.tasks
+    preparer = conn.dialect.identifier_preparer
+
+    def index(name: str) -> str:
+        if tasks.schema is None:
+            return preparer.quote(name)
+        return f"{preparer.quote_schema(tasks.schema)}.{preparer.quote(name)}"
+
+    prefix = tasks.name.removesuffix("tasks")
+    for name in DROPPED_INDEXES:
+        conn.exec_driver_sql(f"DROP INDEX IF EXISTS {index(prefix + name)}")
+    # version 8's dedup index covers every row (a NULL key too): built again, partial
+    for dedup in tasks.indexes:
+        if dedup.name == f"{tasks.name}_dedup_key":
+            conn.exec_driver_sql(f"DROP INDEX IF EXISTS {index(dedup.name)}")
+            dedup.create(conn)
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            f"ALTER TABLE {preparer.format_table(tasks)} SET (fillfactor = {TASKS_FILLFACTOR})"
+        )
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -134,6 +166,12 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(7, "tombstones of purged task ids: a late message is not adopted", _purged),
     Migration(8, "tasks.origin, workers.origin: the broker of the row's app", _origin),
+    Migration(
+        9,
+        "a narrow lifecycle: no (name, state) index, the dedup index only over rows with a "
+        "key, PostgreSQL fillfactor 70 on tasks",
+        _narrow_state,
+    ),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

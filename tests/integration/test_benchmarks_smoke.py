@@ -245,3 +245,18 @@ def test_the_cpu_table_benchmark_prints_every_process_for_every_variant(
     assert len(sleep) == 1 + 2 * 2
     for row in sleep[1:]:
         assert _number(row[3]) > 0
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_the_wal_breakdown_prints_what_a_lifecycle_writes(pg_url: str, redis_url: str) -> None:
+    proc = _run(["wal_breakdown.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert re.search(r"WAL per lifecycle: [\d,]+ bytes \(40 lifecycles", proc.stdout), output
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| resource manager | record | relation |")
+    relations = {row.split(" | ")[2] for row in rows[1:]}
+    # a lifecycle writes its row, its audit rows and their indexes; rows without a dedup
+    # key add nothing to the dedup index, and no (name, state) index is left to write
+    assert {"tasks", "transitions", "tasks_pkey", "transitions_task"} <= relations
+    assert not relations & {"tasks_dedup_key", "tasks_name_state"}

@@ -16,7 +16,7 @@ from sqlalchemy.schema import CreateSchema
 from celery_lease import State
 from celery_lease.exceptions import SchemaOutOfDate, StoreError
 from celery_lease.store import SCHEMA_VERSION, NewTask, build
-from celery_lease.store.schema import db_now
+from celery_lease.store.schema import TASKS_FILLFACTOR, db_now
 
 from ..conftest import drop_pg_schema
 from ..helpers import migrate_in_process
@@ -333,12 +333,144 @@ def test_a_version_7_database_gains_the_origin_columns_and_keeps_its_rows(make_s
     t = store.t
     with store.engine.begin() as conn:  # the database as schema version 7 left it
         _drop_origin(store, conn)
-        conn.execute(t.version.delete().where(t.version.c.version == 8))
+        conn.execute(t.version.delete().where(t.version.c.version >= 8))
     assert store.schema_version() == 7
 
     assert store.migrate() == (7, SCHEMA_VERSION)
     assert schema_snapshot(store.engine, store.config.schema) == full
     assert store.get("old") is not None  # its origin unknown: every app may publish it
+
+
+def _back_to_v8(store: Any, conn: Any) -> None:
+    """The tasks table's indexes and storage as schema version 8 left them: an index on
+    (name, state), a dedup index over every row, PostgreSQL's default fillfactor."""
+    tasks = store.t.tasks
+    preparer = store.engine.dialect.identifier_preparer
+    table = preparer.format_table(tasks)
+
+    def index(name: str) -> str:
+        if tasks.schema is None:
+            return preparer.quote(name)
+        return f"{preparer.quote_schema(tasks.schema)}.{preparer.quote(name)}"
+
+    dedup, by_name = f"{tasks.name}_dedup_key", f"{tasks.name}_name_state"
+    conn.exec_driver_sql(f"DROP INDEX {index(dedup)}")
+    conn.exec_driver_sql(f"CREATE UNIQUE INDEX {preparer.quote(dedup)} ON {table} (dedup_key)")
+    conn.exec_driver_sql(f"CREATE INDEX {preparer.quote(by_name)} ON {table} (name, state)")
+    if store.is_pg:
+        conn.exec_driver_sql(f"ALTER TABLE {table} RESET (fillfactor)")
+    conn.execute(store.t.version.delete().where(store.t.version.c.version >= 9))
+
+
+def _rows(store: Any) -> dict[str, list[Any]]:
+    t = store.t
+    with store.engine.connect() as conn:
+        return {
+            "tasks": conn.execute(select(t.tasks).order_by(t.tasks.c.id)).all(),
+            "steps": conn.execute(select(t.steps).order_by(t.steps.c.task_id)).all(),
+            "audit": conn.execute(select(t.transitions).order_by(t.transitions.c.id)).all(),
+        }
+
+
+def test_a_version_8_database_narrows_its_indexes_and_keeps_every_row(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    t = store.t
+    message = '{"v": 1, "headers": {"task": "t"}, "body": "[[1], {}, {}]"}'
+    for state in State:  # a row in every state, with its message; steps and audit rows
+        store.submit(
+            NewTask(
+                id=state.value.lower(),
+                name="t",
+                args="[1]",
+                kwargs="{}",
+                options="{}",
+                message=message,
+                dedup_key=f"key-{state.value}",
+                lease_ttl=30,
+                max_recoveries=5,
+            )
+        )
+        with store.engine.begin() as conn:
+            conn.execute(
+                t.tasks.update()
+                .where(t.tasks.c.id == state.value.lower())
+                .values(
+                    state=state.value,
+                    attempt=0 if state is State.PENDING else 1,
+                    token="a" * 32 if state is State.RUNNING else None,
+                    reason=f"now {state.value}",
+                )
+            )
+            if state is State.PENDING:
+                continue
+            # the audit rows of a legal path to the state, the step inside the lease
+            path = [(State.PENDING, State.RUNNING)]
+            if state is not State.RUNNING:
+                path.append((State.RUNNING, state))
+            for frm, to in path:
+                conn.execute(
+                    insert(t.transitions).values(
+                        task_id=state.value.lower(),
+                        from_state=frm.value,
+                        to_state=to.value,
+                        reason="set up",
+                        actor="test",
+                        attempt=1,
+                        at=db_now(),
+                    )
+                )
+                if to is State.RUNNING:
+                    conn.execute(
+                        insert(t.steps).values(
+                            task_id=state.value.lower(),
+                            name="charge",
+                            state="DONE",
+                            idempotent=True,
+                            attempt=1,
+                            result="1",
+                            started_at=db_now(),
+                        )
+                    )
+    with store.engine.begin() as conn:  # the database as schema version 8 left it
+        _back_to_v8(store, conn)
+    assert store.schema_version() == 8
+    before = _rows(store)
+
+    assert store.migrate() == (8, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert _rows(store) == before  # every row, step and audit row kept as it was
+    if store.is_pg:
+        with store.engine.connect() as conn:
+            options = conn.exec_driver_sql(
+                "SELECT array_to_string(reloptions, ',') FROM pg_class WHERE oid = to_regclass(%s)",
+                (store.engine.dialect.identifier_preparer.format_table(t.tasks),),
+            ).scalar_one()
+        assert options == f"fillfactor={TASKS_FILLFACTOR}"
+
+    for state in State:  # each can be shown
+        record = store.get(state.value.lower())
+        assert record is not None and record.state is state and record.message == message
+    # the dedup keys still hold: a second submission with one gets the existing row
+    again = NewTask(
+        id="other",
+        name="t",
+        args="[]",
+        kwargs="{}",
+        options=None,
+        lease_ttl=30,
+        max_recoveries=5,
+        dedup_key="key-RUNNING",
+    )
+    assert store.submit(again) == ("running", False)
+    for state in (State.FAILED, State.TIMEOUT, State.WAIT_MANUAL):  # retried, published
+        assert (
+            store.operator_move(state.value.lower(), State.PENDING, actor="op", reason="r") is state
+        )
+    ids = [s.value.lower() for s in (State.PENDING, State.FAILED, State.TIMEOUT, State.WAIT_MANUAL)]
+    published = {p.id: p.message for p in store.take_pending(ids)}
+    assert published == dict.fromkeys(ids, message)
 
 
 def test_migrate_is_idempotent(make_store):
