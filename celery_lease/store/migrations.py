@@ -116,6 +116,11 @@ def _origin(conn: Connection, tables: Tables) -> None:
             )
 
 
+def _schedules(conn: Connection, tables: Tables) -> None:
+    tables.schedules.create(conn, checkfirst=True)
+    tables.beats.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -134,6 +139,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(7, "tombstones of purged task ids: a late message is not adopted", _purged),
     Migration(8, "tasks.origin, workers.origin: the broker of the row's app", _origin),
+    Migration(
+        10, "beat: a row per periodic entry (its slots decided) and the beats seen", _schedules
+    ),
 )
 
 assert MIGRATIONS[-1].version == SCHEMA_VERSION, "add a migration step for the new schema version"

@@ -16,6 +16,7 @@ from sqlalchemy.schema import CreateSchema
 from celery_lease import State
 from celery_lease.exceptions import SchemaOutOfDate, StoreError
 from celery_lease.store import SCHEMA_VERSION, NewTask, build
+from celery_lease.store.migrations import MIGRATIONS
 from celery_lease.store.schema import db_now
 
 from ..conftest import drop_pg_schema
@@ -333,7 +334,7 @@ def test_a_version_7_database_gains_the_origin_columns_and_keeps_its_rows(make_s
     t = store.t
     with store.engine.begin() as conn:  # the database as schema version 7 left it
         _drop_origin(store, conn)
-        conn.execute(t.version.delete().where(t.version.c.version == 8))
+        conn.execute(t.version.delete().where(t.version.c.version >= 8))
     assert store.schema_version() == 7
 
     assert store.migrate() == (7, SCHEMA_VERSION)
@@ -352,7 +353,7 @@ def test_migrate_is_idempotent(make_store):
     version = store.t.version
     with store.engine.connect() as conn:
         rows = conn.execute(select(version.c.version, version.c.description)).all()
-    assert [r.version for r in rows] == list(range(1, SCHEMA_VERSION + 1))
+    assert [r.version for r in rows] == [m.version for m in MIGRATIONS]
     assert all(r.description for r in rows)
 
 
