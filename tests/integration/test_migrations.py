@@ -390,9 +390,8 @@ def test_concurrent_migrations_apply_each_step_once(make_store, lease_config, re
         [(None, SCHEMA_VERSION)] + [(SCHEMA_VERSION, SCHEMA_VERSION)] * (n - 1), key=repr
     )
     with store.engine.connect() as conn:
-        assert (
-            conn.execute(select(func.count()).select_from(store.t.version)).scalar_one()
-            == len(MIGRATIONS)
+        assert conn.execute(select(func.count()).select_from(store.t.version)).scalar_one() == len(
+            MIGRATIONS
         )
 
 
