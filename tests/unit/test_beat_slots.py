@@ -95,3 +95,16 @@ def test_slot_keys_are_the_same_for_the_same_slot_and_bounded() -> None:
     assert slot_key("e", T0) == slot_key("e", T0.astimezone(timezone(timedelta(hours=2))))
     assert slot_key("e", T0) != slot_key("e", T0 + timedelta(seconds=1))
     assert len(slot_key("x" * 1000, T0)) <= 255
+
+
+def test_leased_takes_a_scheduler_class_only_and_leases_it_once() -> None:
+    from celery.beat import PersistentScheduler, Scheduler
+
+    from celery_lease.beat import LeaseScheduler, leased
+
+    made = leased(Scheduler)
+    assert issubclass(made, Scheduler) and leased(made) is made
+    assert leased(LeaseScheduler) is LeaseScheduler
+    assert issubclass(LeaseScheduler, PersistentScheduler)
+    with pytest.raises(ConfigurationError, match=r"celery\.beat\.Scheduler subclass"):
+        leased(dict)  # type: ignore[type-var]
