@@ -8,7 +8,10 @@ is read from what ran, not from what was sent.
 
 from __future__ import annotations
 
-from datetime import datetime
+import itertools
+import json
+import signal
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -16,13 +19,16 @@ from celery_lease import State
 from celery_lease.beat import slot_key
 
 from ..helpers import wait_until
-from .support import TASKS, LeasedProject, LeaseEnv
+from .support import TASKS, LeasedProject, LeaseEnv, released
 
 SOURCE = (
     TASKS
     + '''
 
+import json
 from datetime import timedelta
+
+OPTIONS = json.loads(os.environ.get("BEAT_OPTIONS", "{}"))
 
 
 @app.task(base=LeasedTask, bind=True, shared=False, name="t.tick")
@@ -32,20 +38,39 @@ def tick(self):
     return self.request.id
 
 
-app.conf.beat_schedule = {"every": {"task": "t.tick", "schedule": timedelta(seconds=1)}}
+@app.task(base=LeasedTask, bind=True, shared=False, name="t.held_tick")
+def held_tick(self, gate):
+    """A run that waits at ``gate`` while the test holds it."""
+    external.call("held", payload=self.request.id)
+    hold(gate)
+    return self.request.id
+
+
+ENTRIES = {
+    "every": {"task": "t.tick", "schedule": timedelta(seconds=1), "options": OPTIONS},
+    "held": {
+        "task": "t.held_tick",
+        "schedule": timedelta(seconds=1),
+        "args": ("slow",),
+        "options": {"lease_overlap": "skip"},
+    },
+}
+app.conf.beat_schedule = {name: ENTRIES[name] for name in os.environ["BEAT_ENTRIES"].split(",")}
 '''
 )
 
 SETTINGS = {"beat_scheduler": "celery_lease.beat:LeaseScheduler"}
+EVERY = {"BEAT_ENTRIES": "every"}
 
 
-def slot_rows(p: LeasedProject) -> dict[datetime, str]:
+def slot_rows(p: LeasedProject, entry: str = "every", task: str = "t.tick") -> dict[datetime, str]:
     """Slot time -> task id of every slot of the entry written so far."""
     out: dict[datetime, str] = {}
-    for record in p.store.list_tasks(name="t.tick", limit=100_000):
-        assert record.dedup_key is not None and record.dedup_key.startswith("beat:every@")
-        slot = datetime.fromisoformat(record.dedup_key.removeprefix("beat:every@"))
-        assert slot_key("every", slot) == record.dedup_key
+    for record in p.store.list_tasks(name=task, limit=100_000):
+        prefix = f"beat:{entry}@"
+        assert record.dedup_key is not None and record.dedup_key.startswith(prefix)
+        slot = datetime.fromisoformat(record.dedup_key.removeprefix(prefix))
+        assert slot_key(entry, slot) == record.dedup_key
         out[slot] = record.id
     return out
 
@@ -74,7 +99,7 @@ def check_each_slot_ran_once(p: LeasedProject, lease_env: LeaseEnv) -> dict[date
     indirect=True,
 )
 def test_two_beats_at_once_run_each_slot_once(lease_env: LeaseEnv, broker_url: str) -> None:
-    p = lease_env.project(broker_url=broker_url, source=SOURCE, settings=SETTINGS)
+    p = lease_env.project(broker_url=broker_url, source=SOURCE, settings=SETTINGS, env=EVERY)
     p.worker("a", concurrency=2)
     beats = [p.project.beat("beat1"), p.project.beat("beat2")]
     for beat in beats:
@@ -107,7 +132,7 @@ def test_two_beats_at_once_run_each_slot_once(lease_env: LeaseEnv, broker_url: s
 def test_beat_killed_between_a_slots_row_and_its_publish_the_reaper_publishes_it(
     lease_env: LeaseEnv, broker_url: str
 ) -> None:
-    p = lease_env.project(broker_url=broker_url, source=SOURCE, settings=SETTINGS)
+    p = lease_env.project(broker_url=broker_url, source=SOURCE, settings=SETTINGS, env=EVERY)
     p.worker("a")  # its embedded reaper publishes rows never published
     doomed = p.project.beat("doomed", env={"CELERY_LEASE_CRASH_AT": "beat_slot_rows"})
 
@@ -127,3 +152,70 @@ def test_beat_killed_between_a_slots_row_and_its_publish_the_reaper_publishes_it
     assert slot_task in slots.values()
     assert survivor.returncode is not None and survivor.returncode <= 0
     assert "Traceback" not in survivor.log_text()
+
+
+def test_after_every_beat_was_down_the_missed_slots_are_skipped_and_counted(
+    lease_env: LeaseEnv,
+) -> None:
+    p = lease_env.project(
+        source=SOURCE,
+        settings=SETTINGS,
+        env={**EVERY, "BEAT_OPTIONS": json.dumps({"lease_catchup": "skip"})},
+    )
+    p.worker("a")
+    first = p.project.beat("first")
+    wait_until(lambda: len(slot_rows(p)) >= 2, timeout=60, message="2 slots written")
+    first.kill_group(signal.SIGKILL)  # every beat down
+    first.wait_group_gone()
+    down_since = max(slot_rows(p))
+    wait_until(
+        lambda: (p.store.now() - down_since).total_seconds() > 15,
+        timeout=60,
+        message="15 s of slots with no beat",
+    )
+
+    second = p.project.beat("second")
+    wait_until(lambda: max(slot_rows(p)) > down_since + timedelta(seconds=16), timeout=60)
+    second.stop()
+
+    slots = check_each_slot_ran_once(p, lease_env)
+    (row,) = [r for r in p.store.schedules() if r.name == "every"]
+    times = sorted(slots)
+    gaps = [(a, b) for a, b in itertools.pairwise(times) if (b - a).total_seconds() > 1]
+    # one gap, the downtime: none of its slots ran ("skip"), each counted as missed
+    assert len(gaps) == 1 and gaps[0][0] == down_since
+    assert row.missed == round((gaps[0][1] - gaps[0][0]).total_seconds()) - 1 >= 14
+    assert row.last_reason is not None and "lease_catchup='skip'" in row.last_reason
+
+
+def test_overlap_skip_skips_the_slots_while_the_previous_run_is_running(
+    lease_env: LeaseEnv,
+) -> None:
+    p = lease_env.project(source=SOURCE, settings=SETTINGS, env={"BEAT_ENTRIES": "held"})
+    p.worker("a", concurrency=2)
+    gate = p.gates.hold("slow")
+    with released(p.gates, gate):
+        beat = p.project.beat()
+        first = wait_until(lambda: slot_rows(p, "held", "t.held_tick") or None, timeout=60)
+        (running,) = first.values()
+        p.wait_state(running, State.RUNNING)
+
+        def skipped() -> int:
+            rows = [r for r in p.store.schedules() if r.name == "held"]
+            return rows[0].skipped if rows else 0
+
+        wait_until(lambda: skipped() >= 3, timeout=60, message="3 slots skipped")
+        assert list(slot_rows(p, "held", "t.held_tick").values()) == [running]
+    p.wait_state(running, State.SUCCEEDED, timeout=60)
+    wait_until(lambda: len(slot_rows(p, "held", "t.held_tick")) >= 3, timeout=60)
+    beat.stop()
+
+    slots = slot_rows(p, "held", "t.held_tick")
+    for task_id in slots.values():
+        p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+    assert sorted(e.payload for e in lease_env.external.effects("held")) == sorted(slots.values())
+    (row,) = [r for r in p.store.schedules() if r.name == "held"]
+    times = sorted(slots)
+    absent = round((times[-1] - times[0]).total_seconds()) + 1 - len(times)
+    assert row.skipped >= 3 and absent == row.skipped and row.missed == 0
+    assert row.last_reason is not None and f"previous run {running} is RUNNING" in row.last_reason
