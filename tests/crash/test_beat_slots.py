@@ -20,6 +20,7 @@ from celery_lease.beat import slot_key
 
 from ..helpers import wait_until
 from .support import TASKS, LeasedProject, LeaseEnv, released
+from .test_clock_skew import SKEW, clock_skew_shim  # noqa: F401  (the shim's fixture)
 
 SOURCE = (
     TASKS
@@ -219,3 +220,53 @@ def test_overlap_skip_skips_the_slots_while_the_previous_run_is_running(
     absent = round((times[-1] - times[0]).total_seconds()) + 1 - len(times)
     assert row.skipped >= 3 and absent == row.skipped and row.missed == 0
     assert row.last_reason is not None and f"previous run {running} is RUNNING" in row.last_reason
+
+
+def test_two_beats_killed_and_restarted_in_turn_miss_no_slot_and_run_each_once(
+    lease_env: LeaseEnv,
+) -> None:
+    p = lease_env.project(source=SOURCE, settings=SETTINGS, env=EVERY)
+    p.worker("a", concurrency=2)
+    beats = [p.project.beat("beat1"), p.project.beat("beat2")]
+    for beat in beats:
+        beat.wait_ready(timeout=60)
+    for turn in range(6):  # one beat SIGKILLed and started again; the other stays up
+        beat = beats[turn % 2]
+        written = len(slot_rows(p))
+        beat.kill_group(signal.SIGKILL)
+        beat.wait_group_gone()
+        wait_until(lambda n=written: len(slot_rows(p)) >= n + 2, timeout=60)
+        beat.start()
+        beat.wait_ready(timeout=60)
+    for beat in beats:
+        beat.stop()
+
+    slots = check_each_slot_ran_once(p, lease_env)
+    (row,) = [r for r in p.store.schedules() if r.name == "every"]
+    assert len(slots) >= 12 and row.missed == 0 and row.skipped == 0  # always a beat up
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [pytest.param("amqp", "postgresql", id="amqp-postgresql", marks=pytest.mark.postgres)],
+    indirect=True,
+)
+def test_a_beat_whose_clock_is_minutes_off_sends_each_slot_once_at_its_time(
+    lease_env: LeaseEnv, broker_url: str, request: pytest.FixtureRequest
+) -> None:
+    # PostgreSQL only: on SQLite the database's time is the clock of the process
+    # running the statement (see test_clock_skew.py)
+    p = lease_env.project(broker_url=broker_url, source=SOURCE, settings=SETTINGS, env=EVERY)
+    p.worker("a")
+    shim = str(request.getfixturevalue("clock_skew_shim"))
+    skewed = p.project.beat("skewed", env={"LD_PRELOAD": shim, "CLOCK_SKEW_SECONDS": str(SKEW)})
+    wait_until(lambda: len(slot_rows(p)) >= 5, timeout=90, message="5 slots written")
+    skewed.stop()
+
+    slots = check_each_slot_ran_once(p, lease_env)
+    (row,) = [r for r in p.store.schedules() if r.name == "every"]
+    assert row.missed == 0 and row.skipped == 0
+    for slot, task_id in slots.items():
+        created = p.get(task_id).created_at
+        # sent at its slot by the database's clock, not SKEW seconds away from it
+        assert abs((created - slot).total_seconds()) < SKEW / 5
