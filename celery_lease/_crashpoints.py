@@ -13,6 +13,8 @@ Points (where they are called):
 * ``after_publish``: ``LeasedTask._publish``, the message is published, the row is not
   yet marked published.
 * ``reaper_mid_sweep``: ``Reaper.sweep``, between two full batches of one sweep.
+* ``beat_slot_rows``: ``celery_lease.beat``, the transaction that decided a leased
+  entry's slots committed its tasks' rows, none of them published yet.
 * ``outcome_buffered``: the worker's outcome writer (its main process) has read an
   outcome a pool process handed over and not written it yet: the whole worker dies
   with the outcome buffered.

@@ -190,6 +190,11 @@ class Tuning:
         return cls(**values)
 
 
+#: Beat's catch-up policies (``lease_catchup``) and overlap policies (``lease_overlap``).
+CATCHUP_POLICIES = ("skip", "latest", "all")
+OVERLAP_POLICIES = ("allow", "skip", "buffer_one")
+
+
 @dataclasses.dataclass(frozen=True)
 class LeaseConfig:
     """Validated settings of one Celery app (seconds are floats; fractions allowed)."""
@@ -261,6 +266,16 @@ class LeaseConfig:
     #: alike in every process of an app whose processes reach one broker by different
     #: addresses (a proxy, another host name).
     origin: str | None = None
+    #: Beat (``celery_lease.beat``): the default catch-up policy of a leased periodic
+    #: entry, for slots missed while no beat ran: ``"skip"``, ``"latest"`` or ``"all"``.
+    catchup: str = "latest"
+    #: Beat: missed slots older than this (seconds) are never run, only counted.
+    catchup_window: float = 86400.0
+    #: Beat: with ``catchup="all"``, the most missed slots run at once (the latest ones).
+    catchup_max: int = 10
+    #: Beat: a slot whose previous run has not finished: ``"allow"``, ``"skip"`` or
+    #: ``"buffer_one"``.
+    overlap: str = "allow"
 
     _tuning: ClassVar[Tuning]
 
@@ -278,6 +293,7 @@ class LeaseConfig:
             ("lease_max_age", self.max_age, False, MAX_SECONDS),
             ("lease_max_runtime", self.max_runtime, False, MAX_SECONDS),
             ("lease_retention", self.retention, False, MAX_SECONDS),
+            ("lease_catchup_window", self.catchup_window, True, MAX_SECONDS),
         ):
             if seconds is not None:
                 check_seconds(key, seconds, zero=zero, maximum=maximum)
@@ -290,9 +306,18 @@ class LeaseConfig:
             "lease_result_max_bytes": self.result_max_bytes,
             "lease_args_max_bytes": self.args_max_bytes,
             "lease_pool_size": self.pool_size,
+            "lease_catchup_max": self.catchup_max,
         }.items():
             if ivalue < 1:
                 raise ConfigurationError(f"{key} must be at least 1, got {ivalue!r}")
+        if self.catchup not in CATCHUP_POLICIES:
+            raise ConfigurationError(
+                f"lease_catchup must be one of {CATCHUP_POLICIES}, got {self.catchup!r}"
+            )
+        if self.overlap not in OVERLAP_POLICIES:
+            raise ConfigurationError(
+                f"lease_overlap must be one of {OVERLAP_POLICIES}, got {self.overlap!r}"
+            )
         if self.max_recoveries < 0:
             raise ConfigurationError("lease_max_recoveries must be >= 0")
         if self.schema is not None and self.database_url.startswith("sqlite"):
@@ -414,6 +439,10 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_outcome_write_through": ("outcome_write_through", bool),
     "lease_batch_groups": ("batch_groups", bool),
     "lease_claim_ahead": ("claim_ahead", bool),
+    "lease_catchup": ("catchup", str),
+    "lease_catchup_window": ("catchup_window", float),
+    "lease_catchup_max": ("catchup_max", int),
+    "lease_overlap": ("overlap", str),
 }
 
 SETTINGS: tuple[str, ...] = tuple(_FIELDS)

@@ -35,6 +35,10 @@ quantile}``                                                window (SUCCEEDED and
                                                            into the transition totals yet
 ``celery_lease_transitions_uncounted``          gauge      audit ids above this scrape's tail
                                                            (counters behind by at most this)
+``celery_lease_beat_slots_missed_total{entry}`` counter    beat slots missed while no beat ran
+                                                           (not run: catch-up policy, window)
+``celery_lease_beat_slots_skipped_total{entry}`` counter   beat slots skipped by the overlap
+                                                           policy (previous run unfinished)
 ==============================================  =========  ==================================
 
 The window of the per-task figures is ``window`` seconds (default 300; ``lease metrics
@@ -312,6 +316,23 @@ class LeaseCollector:
         yield age
         yield alive
         yield running
+
+        missed = core.CounterMetricFamily(
+            "celery_lease_beat_slots_missed",
+            "Beat slots of leased entries missed while no beat ran and not run (catch-up "
+            "policy lease_catchup, window lease_catchup_window)",
+            labels=["entry"],
+        )
+        skipped = core.CounterMetricFamily(
+            "celery_lease_beat_slots_skipped",
+            "Beat slots of leased entries skipped by the overlap policy (lease_overlap)",
+            labels=["entry"],
+        )
+        for entry, n_missed, n_skipped in store.schedule_counts():
+            missed.add_metric([entry], n_missed)
+            skipped.add_metric([entry], n_skipped)
+        yield missed
+        yield skipped
 
 
 def registry(

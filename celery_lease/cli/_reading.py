@@ -312,3 +312,48 @@ def workers(ctx: click.Context, show_all: bool, as_json: bool) -> None:
             w.id,
         )
     table.render(_color(ctx))
+
+
+@lease.command()
+@json_option
+@click.pass_context
+@handle_errors
+def schedules(ctx: click.Context, as_json: bool) -> None:
+    """Beat's leased entries (sent in slots, once each whatever the number of beats):
+    the last slot run and its task, the next slot, the slots missed and skipped, and
+    the beats seen in the last 5 minutes."""
+    from ..beat import report
+
+    now, entries, beats = report(_admin(ctx).app)
+    if as_json:
+        _print_json({"entries": entries, "beats": beats})
+        return
+    if not entries:
+        click.echo("No leased beat entries recorded (no LeaseScheduler beat ran).", err=True)
+    else:
+        table = Table(
+            ["ENTRY", "TASK", "LAST SLOT", "LAST TASK", "STATE", "NEXT SLOT", "MISSED", "SKIPPED"],
+            {},
+        )
+        for e in entries:
+            table.add(
+                e.name,
+                e.task,
+                e.last_run_slot.isoformat(timespec="seconds") if e.last_run_slot else "-",
+                e.last_task_id or "-",
+                e.last_task_state or "-",
+                e.next_slot.isoformat(timespec="seconds") if e.next_slot else "-",
+                e.missed,
+                e.skipped,
+            )
+        table.render(_color(ctx))
+        for e in entries:
+            if e.last_reason:
+                click.echo(f"{e.name}: {e.last_reason}", err=True)
+    if not beats:
+        click.echo("No beat seen in the last 5 minutes.", err=True)
+        return
+    seen = Table(["BEAT", "HOST", "PID", "STARTED", "SEEN"], {})
+    for b in beats:
+        seen.add(b.id, b.host, b.pid, ago(b.started_at, now), ago(b.seen_at, now))
+    seen.render(_color(ctx))

@@ -14,6 +14,8 @@ owning its statements with their single and batch forms:
 ``Operator``           ``_operator``: a person's moves, bulk actions, purges, pauses;
                        retention
 ``Counting``           ``_totals``: transition totals, counters, health figures
+``Schedules``          ``_schedules``: the beat's rows, a periodic entry's slots
+                       decided in one transaction; the beats seen
 ``SchemaSetup``        ``migrations``: the schema's version, migrating it
 ``Store`` itself       the reads that belong to no part: records, history, lists,
                        counts, the invariant checker's page
@@ -54,6 +56,7 @@ from ._db import bounded_connection, redact
 from ._operator import KINDS as PAUSE_KINDS
 from ._operator import Operator
 from ._outcome import Outcomes
+from ._schedules import BeatRow, ScheduleRow, Schedules, SlotDecision
 from ._submit import (
     REOPENABLE,
     REPLACED,
@@ -103,7 +106,7 @@ from .schema import (
 )
 
 
-class Store(Submission, Claims, Outcomes, Sweeps, Operator, SchemaSetup):
+class Store(Submission, Claims, Outcomes, Sweeps, Operator, Schedules, SchemaSetup):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe).
 
     The parts above own the operations; the class itself owns the reads that belong to
@@ -425,6 +428,7 @@ __all__ = [
     "REPUBLISHED",
     "RESUBMITTED",
     "SCHEMA_VERSION",
+    "BeatRow",
     "Claim",
     "Executor",
     "Expiry",
@@ -446,6 +450,8 @@ __all__ = [
     "RecordedStep",
     "Refusal",
     "Rows",
+    "ScheduleRow",
+    "SlotDecision",
     "Store",
     "Tables",
     "Totals",

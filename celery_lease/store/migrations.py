@@ -148,6 +148,11 @@ def _narrow_state(conn: Connection, tables: Tables) -> None:
         )
 
 
+def _schedules(conn: Connection, tables: Tables) -> None:
+    tables.schedules.create(conn, checkfirst=True)
+    tables.beats.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -171,6 +176,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         "a narrow lifecycle: no (name, state) index, the dedup index only over rows with a "
         "key, PostgreSQL fillfactor 70 on tasks",
         _narrow_state,
+    ),
+    Migration(
+        10, "beat: a row per periodic entry (its slots decided) and the beats seen", _schedules
     ),
 )
 

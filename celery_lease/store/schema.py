@@ -180,7 +180,7 @@ def _greatest_sqlite(element: greatest, compiler: SQLCompiler, **kw: Any) -> str
 # -- the tables -----------------------------------------------------------------------------
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 #: PostgreSQL's fillfactor of the tasks table (schema version 9): part of each page is
 #: left free when rows are inserted, so that the updates of a task's lifecycle (the
@@ -215,6 +215,8 @@ class Tables:
     transition_totals: Table
     transition_watermark: Table
     purged: Table
+    schedules: Table
+    beats: Table
 
 
 def build(prefix: str = "lease_", schema: str | None = None, origin: str | None = None) -> Tables:
@@ -452,6 +454,7 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         Column("keep_until", DbTime(), nullable=False),
         Index(f"{prefix}purged_keep_until", "keep_until"),
     )
+    schedules, beats = _schedule_tables(md, prefix)
     return Tables(
         md,
         tasks,
@@ -466,7 +469,44 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         transition_totals,
         transition_watermark,
         purged,
+        schedules,
+        beats,
     )
+
+
+def _schedule_tables(md: MetaData, prefix: str) -> tuple[Table, Table]:
+    """The beat's tables (schema version 10, :mod:`celery_lease.beat`)."""
+    count = BigInteger().with_variant(Integer, "sqlite")
+    # one row per periodic entry of a leased task: the slots up to ``last_slot`` are
+    # decided (run, skipped or missed); a beat decides the next ones with the row locked
+    schedules = Table(
+        f"{prefix}schedules",
+        md,
+        Column("name", _ID, primary_key=True),
+        Column("task", _ID, nullable=False),
+        Column("last_slot", DbTime(), nullable=False),
+        Column("last_run_slot", DbTime()),
+        Column("last_task_id", _ID),
+        # overlap "buffer_one": the slot waiting for the previous run to finish
+        Column("buffered_slot", DbTime()),
+        Column("missed", count, nullable=False),
+        Column("skipped", count, nullable=False),
+        Column("last_reason", Text),
+        Column("updated_at", DbTime(), nullable=False),
+        Column("updated_by", String(255)),
+    )
+    # the beat processes seen: one row per beat process (a fresh id per start)
+    beats = Table(
+        f"{prefix}beats",
+        md,
+        Column("id", String(64), primary_key=True),
+        Column("host", String(255), nullable=False),
+        Column("pid", Integer, nullable=False),
+        Column("started_at", DbTime(), nullable=False),
+        Column("seen_at", DbTime(), nullable=False),
+        Index(f"{prefix}beats_seen", "seen_at"),
+    )
+    return schedules, beats
 
 
 # -- conditions several operations share (each written once) ----------------------------

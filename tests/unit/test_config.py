@@ -52,6 +52,10 @@ DEFAULTS = {
     "batch_groups": True,
     "claim_ahead": False,
     "origin": None,
+    "catchup": "latest",
+    "catchup_window": 86400.0,
+    "catchup_max": 10,
+    "overlap": "allow",
 }
 
 
@@ -329,3 +333,17 @@ def test_the_origin_is_the_broker_url_without_its_password():
     assert from_mapping({}).origin is None
     app = Celery("t", broker="redis://:pw@127.0.0.1:6379/3", set_as_current=False)
     assert from_mapping(app.conf).origin == "redis://:**@127.0.0.1:6379/3"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("lease_catchup", "sometimes"),
+        ("lease_overlap", "queue"),
+        ("lease_catchup_window", -1),
+        ("lease_catchup_max", 0),
+    ],
+)
+def test_a_bad_beat_setting_is_refused_naming_it(key: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=key):
+        from_mapping({key: value})

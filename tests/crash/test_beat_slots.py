@@ -1,0 +1,272 @@
+"""Beat with slots, with real ``celery beat`` processes (crash-point matrix row 29).
+
+Every beat runs ``celery_lease.beat:LeaseScheduler``; an entry of a leased task every
+second is sent in slots whose dedup keys name the slot. The task counts itself in the
+counting stub (one effect per run, its payload the task id), so "each slot ran once"
+is read from what ran, not from what was sent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+from datetime import datetime, timedelta
+
+import pytest
+
+from celery_lease import State
+from celery_lease.beat import slot_key
+
+from ..helpers import wait_until
+from .support import TASKS, LeasedProject, LeaseEnv, released
+from .test_clock_skew import SKEW, clock_skew_shim  # noqa: F401  (the shim's fixture)
+
+SOURCE = (
+    TASKS
+    + '''
+
+import json
+from datetime import timedelta
+
+OPTIONS = json.loads(os.environ.get("BEAT_OPTIONS", "{}"))
+
+
+@app.task(base=LeasedTask, bind=True, shared=False, name="t.tick")
+def tick(self):
+    """One run of a slot: counted by the stub, with this task's id."""
+    external.call("tick", payload=self.request.id)
+    return self.request.id
+
+
+@app.task(base=LeasedTask, bind=True, shared=False, name="t.held_tick")
+def held_tick(self, gate):
+    """A run that waits at ``gate`` while the test holds it."""
+    external.call("held", payload=self.request.id)
+    hold(gate)
+    return self.request.id
+
+
+ENTRIES = {
+    "every": {"task": "t.tick", "schedule": timedelta(seconds=1), "options": OPTIONS},
+    "held": {
+        "task": "t.held_tick",
+        "schedule": timedelta(seconds=1),
+        "args": ("slow",),
+        "options": {"lease_overlap": "skip"},
+    },
+}
+app.conf.beat_schedule = {name: ENTRIES[name] for name in os.environ["BEAT_ENTRIES"].split(",")}
+'''
+)
+
+SETTINGS = {"beat_scheduler": "celery_lease.beat:LeaseScheduler"}
+EVERY = {"BEAT_ENTRIES": "every"}
+
+
+def slot_rows(p: LeasedProject, entry: str = "every", task: str = "t.tick") -> dict[datetime, str]:
+    """Slot time -> task id of every slot of the entry written so far."""
+    out: dict[datetime, str] = {}
+    for record in p.store.list_tasks(name=task, limit=100_000):
+        prefix = f"beat:{entry}@"
+        assert record.dedup_key is not None and record.dedup_key.startswith(prefix)
+        slot = datetime.fromisoformat(record.dedup_key.removeprefix(prefix))
+        assert slot_key(entry, slot) == record.dedup_key
+        out[slot] = record.id
+    return out
+
+
+def check_each_slot_ran_once(p: LeasedProject, lease_env: LeaseEnv) -> dict[datetime, str]:
+    """Every slot written ran exactly once, and every slot between the first and the
+    last either ran or is counted as missed."""
+    slots = slot_rows(p)
+    for task_id in slots.values():
+        p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+    ran = [e.payload for e in lease_env.external.effects("tick")]
+    assert sorted(ran) == sorted(slots.values())  # each slot's task ran once, no other
+    times = sorted(slots)
+    absent = round((times[-1] - times[0]).total_seconds()) + 1 - len(times)
+    (row,) = [r for r in p.store.schedules() if r.name == "every"]
+    assert absent == row.missed + row.skipped, (times, row)
+    return slots
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [
+        pytest.param("redis", "sqlite", id="redis-sqlite"),
+        pytest.param("amqp", "postgresql", id="amqp-postgresql", marks=pytest.mark.postgres),
+    ],
+    indirect=True,
+)
+def test_two_beats_at_once_run_each_slot_once(lease_env: LeaseEnv, broker_url: str) -> None:
+    p = lease_env.project(broker_url=broker_url, source=SOURCE, settings=SETTINGS, env=EVERY)
+    p.worker("a", concurrency=2)
+    beats = [p.project.beat("beat1"), p.project.beat("beat2")]
+    for beat in beats:
+        beat.wait_ready(timeout=60)
+    wait_until(
+        lambda: len(p.store.beats(seen_within=3600)) == 2, timeout=60, message="both beats seen"
+    )
+
+    wait_until(lambda: len(slot_rows(p)) >= 8, timeout=90, message="8 slots written")
+    for beat in beats:
+        beat.stop()
+
+    slots = check_each_slot_ran_once(p, lease_env)
+    assert len(slots) >= 8
+    (row,) = [r for r in p.store.schedules() if r.name == "every"]
+    # a beat was up all along: no slot missed
+    assert row.last_task_id in slots.values() and row.missed == 0 and row.skipped == 0
+    actors = {r.updated_by for r in p.store.schedules()}
+    assert actors and all(a is not None and a.startswith("beat:") for a in actors)
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [
+        pytest.param("redis", "sqlite", id="redis-sqlite"),
+        pytest.param("amqp", "postgresql", id="amqp-postgresql", marks=pytest.mark.postgres),
+    ],
+    indirect=True,
+)
+def test_beat_killed_between_a_slots_row_and_its_publish_the_reaper_publishes_it(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    p = lease_env.project(broker_url=broker_url, source=SOURCE, settings=SETTINGS, env=EVERY)
+    p.worker("a")  # its embedded reaper publishes rows never published
+    doomed = p.project.beat("doomed", env={"CELERY_LEASE_CRASH_AT": "beat_slot_rows"})
+
+    wait_until(lambda: doomed.returncode is not None, timeout=60, message="beat died")
+    assert doomed.returncode == 137  # the crash point: rows committed, nothing sent
+    (slot_task,) = slot_rows(p).values()
+    record = p.wait_state(slot_task, State.SUCCEEDED, timeout=60)
+    assert record.attempt == 1
+    assert [e.payload for e in lease_env.external.effects("tick")] == [slot_task]
+
+    # a beat started again goes on from the slot decided, not from its own start
+    survivor = p.project.beat("survivor")
+    survivor.wait_ready(timeout=60)
+    wait_until(lambda: len(slot_rows(p)) >= 4, timeout=60, message="3 more slots")
+    survivor.stop()
+    slots = check_each_slot_ran_once(p, lease_env)
+    assert slot_task in slots.values()
+    assert survivor.returncode is not None and survivor.returncode <= 0
+    assert "Traceback" not in survivor.log_text()
+
+
+def test_after_every_beat_was_down_the_missed_slots_are_skipped_and_counted(
+    lease_env: LeaseEnv,
+) -> None:
+    p = lease_env.project(
+        source=SOURCE,
+        settings=SETTINGS,
+        env={**EVERY, "BEAT_OPTIONS": json.dumps({"lease_catchup": "skip"})},
+    )
+    p.worker("a")
+    first = p.project.beat("first")
+    wait_until(lambda: len(slot_rows(p)) >= 2, timeout=60, message="2 slots written")
+    first.kill_group(signal.SIGKILL)  # every beat down
+    first.wait_group_gone()
+    down_since = max(slot_rows(p))
+    wait_until(
+        lambda: (p.store.now() - down_since).total_seconds() > 15,
+        timeout=60,
+        message="15 s of slots with no beat",
+    )
+
+    second = p.project.beat("second")
+    wait_until(lambda: max(slot_rows(p)) > down_since + timedelta(seconds=16), timeout=60)
+    second.stop()
+
+    slots = check_each_slot_ran_once(p, lease_env)
+    (row,) = [r for r in p.store.schedules() if r.name == "every"]
+    times = sorted(slots)
+    gaps = [(a, b) for a, b in itertools.pairwise(times) if (b - a).total_seconds() > 1]
+    # one gap, the downtime: none of its slots ran ("skip"), each counted as missed
+    assert len(gaps) == 1 and gaps[0][0] == down_since
+    assert row.missed == round((gaps[0][1] - gaps[0][0]).total_seconds()) - 1 >= 14
+    assert row.last_reason is not None and "lease_catchup='skip'" in row.last_reason
+
+
+def test_overlap_skip_skips_the_slots_while_the_previous_run_is_running(
+    lease_env: LeaseEnv,
+) -> None:
+    p = lease_env.project(source=SOURCE, settings=SETTINGS, env={"BEAT_ENTRIES": "held"})
+    p.worker("a", concurrency=2)
+    gate = p.gates.hold("slow")
+    with released(p.gates, gate):
+        beat = p.project.beat()
+        first = wait_until(lambda: slot_rows(p, "held", "t.held_tick") or None, timeout=60)
+        (running,) = first.values()
+        p.wait_state(running, State.RUNNING)
+
+        def skipped() -> int:
+            rows = [r for r in p.store.schedules() if r.name == "held"]
+            return rows[0].skipped if rows else 0
+
+        wait_until(lambda: skipped() >= 3, timeout=60, message="3 slots skipped")
+        assert list(slot_rows(p, "held", "t.held_tick").values()) == [running]
+    p.wait_state(running, State.SUCCEEDED, timeout=60)
+    wait_until(lambda: len(slot_rows(p, "held", "t.held_tick")) >= 3, timeout=60)
+    beat.stop()
+
+    slots = slot_rows(p, "held", "t.held_tick")
+    for task_id in slots.values():
+        p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+    assert sorted(e.payload for e in lease_env.external.effects("held")) == sorted(slots.values())
+    (row,) = [r for r in p.store.schedules() if r.name == "held"]
+    times = sorted(slots)
+    absent = round((times[-1] - times[0]).total_seconds()) + 1 - len(times)
+    assert row.skipped >= 3 and absent == row.skipped and row.missed == 0
+    assert row.last_reason is not None and f"previous run {running} is RUNNING" in row.last_reason
+
+
+def test_two_beats_killed_and_restarted_in_turn_miss_no_slot_and_run_each_once(
+    lease_env: LeaseEnv,
+) -> None:
+    p = lease_env.project(source=SOURCE, settings=SETTINGS, env=EVERY)
+    p.worker("a", concurrency=2)
+    beats = [p.project.beat("beat1"), p.project.beat("beat2")]
+    for beat in beats:
+        beat.wait_ready(timeout=60)
+    for turn in range(6):  # one beat SIGKILLed and started again; the other stays up
+        beat = beats[turn % 2]
+        written = len(slot_rows(p))
+        beat.kill_group(signal.SIGKILL)
+        beat.wait_group_gone()
+        wait_until(lambda n=written: len(slot_rows(p)) >= n + 2, timeout=60)
+        beat.start()
+        beat.wait_ready(timeout=60)
+    for beat in beats:
+        beat.stop()
+
+    slots = check_each_slot_ran_once(p, lease_env)
+    (row,) = [r for r in p.store.schedules() if r.name == "every"]
+    assert len(slots) >= 12 and row.missed == 0 and row.skipped == 0  # always a beat up
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [pytest.param("amqp", "postgresql", id="amqp-postgresql", marks=pytest.mark.postgres)],
+    indirect=True,
+)
+def test_a_beat_whose_clock_is_minutes_off_sends_each_slot_once_at_its_time(
+    lease_env: LeaseEnv, broker_url: str, request: pytest.FixtureRequest
+) -> None:
+    # PostgreSQL only: on SQLite the database's time is the clock of the process
+    # running the statement (see test_clock_skew.py)
+    p = lease_env.project(broker_url=broker_url, source=SOURCE, settings=SETTINGS, env=EVERY)
+    p.worker("a")
+    shim = str(request.getfixturevalue("clock_skew_shim"))
+    skewed = p.project.beat("skewed", env={"LD_PRELOAD": shim, "CLOCK_SKEW_SECONDS": str(SKEW)})
+    wait_until(lambda: len(slot_rows(p)) >= 5, timeout=90, message="5 slots written")
+    skewed.stop()
+
+    slots = check_each_slot_ran_once(p, lease_env)
+    (row,) = [r for r in p.store.schedules() if r.name == "every"]
+    assert row.missed == 0 and row.skipped == 0
+    for slot, task_id in slots.items():
+        created = p.get(task_id).created_at
+        # sent at its slot by the database's clock, not SKEW seconds away from it
+        assert abs((created - slot).total_seconds()) < SKEW / 5
