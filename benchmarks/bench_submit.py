@@ -157,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=8, help="submitting threads (0: none)")
     parser.add_argument("--brokers", default="redis,rabbitmq")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions")
+    parser.add_argument("--n", type=int, default=0, help="calls per round (default 3000)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds (default 3)")
     args = parser.parse_args(argv)
     ctx = make_context(args.quick, Path(tempfile.mkdtemp(prefix="bench-submit-")), plots=False)
-    n, rounds = ctx.scale(3000, 40), ctx.scale(3, 1)
+    n, rounds = args.n or ctx.scale(3000, 40), args.rounds or ctx.scale(3, 1)
     brokers = args.brokers.split(",")
     modes = [1] + ([args.threads] if args.threads > 1 else [])
     results: list[Round] = []
