@@ -114,6 +114,10 @@ def one_round(env: bo.Env, variant: bo.Variant, broker: str, n: int, threads: in
         elapsed = time.perf_counter() - t0
         cpu = (time.process_time() - cpu0) * 1000 / total
         db = (proc_cpu(db_pids) - db0) * 1000 / total if db_pids else float("nan")
+        if db_pids and set(pg_backends()) != set(db_pids):
+            # connections opened and closed during the run (more threads than the pool
+            # keeps): the CPU of a backend that exited cannot be read, so none is shown
+            db = float("nan")
         if variant.leased:
             counts = env.store(variant).counts()
             written = sum(counts.values())
@@ -149,6 +153,13 @@ def profile(env: bo.Env, variant: bo.Variant, broker: str, n: int) -> tuple[str,
     top = io.StringIO()
     pstats.Stats(prof, stream=top).sort_stats("cumulative").print_stats(25)
     return bo._grouped(stats, n - 1, "µs per .delay()"), top.getvalue()
+
+
+def _db_figure(values: list[float]) -> str:
+    read = [v for v in values if v == v]  # NaN: backends came and went during the round
+    if not read:
+        return "n/a (connections opened and closed)"
+    return f"{median(read):.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{rate:,.0f}",
                         f"{rate / base:.2f}x",
                         f"{median([x.client_cpu_ms for x in rs]):.3f}",
-                        f"{median([x.db_cpu_ms for x in rs]):.3f}" if v.leased else "-",
+                        _db_figure([x.db_cpu_ms for x in rs]) if v.leased else "-",
                     )
                 )
     print(f"\none-by-one .delay() of a no-op task, N={n} per round, medians of {rounds}:\n")
