@@ -598,7 +598,9 @@ def done_count(done_dir: Path) -> int:
 # -- CPU accounting -----------------------------------------------------------------------
 
 #: application_name of the benchmark's PostgreSQL connections (to find their backends)
-PG_APP_NAME = "celery-lease-bench"
+#: Unique to this benchmark run (its worker processes inherit it through the URL): on a
+#: shared machine another run's backends would otherwise be counted as this one's.
+PG_APP_NAME = f"celery-lease-bench-{os.getpid()}"
 
 
 def with_app_name(url: str) -> str:

@@ -504,6 +504,16 @@ _FIELDS: tuple[tuple[str, Any], ...] = (
 )
 
 
+class _Row(dict[str, Any]):
+    """A result row read by column name, as an attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 #: Rows per statement: well under SQLite's and PostgreSQL's bound-parameter limits.
 BATCH_SIZE = 500
 
@@ -648,9 +658,8 @@ class Submission(StoreBase):
     def _compiled(self, stmt: Any) -> tuple[str, dict[str, Any]]:
         """``stmt`` compiled once for the driver: its text and the values of the bind
         parameters it holds itself (literals); the caller's ``b_*`` values go with
-        them. The hot single-row submit runs it as driver SQL, which skips the cache
-        lookup and bind processing of a statement object on every call; psycopg
-        prepares the text once it has seen it a few times."""
+        them. The hot single-row submit runs it with no statement object to look up and
+        bind on every call (see :meth:`_execute_compiled`); psycopg prepares it."""
         compiled = stmt.compile(dialect=self.engine.dialect)
         constants = {
             k: v
@@ -661,10 +670,26 @@ class Submission(StoreBase):
 
     @staticmethod
     def _execute_compiled(conn: Connection, sql: str, params: dict[str, Any]) -> Any:
-        """The one row of ``sql`` run on ``conn`` as driver SQL: no statement to compile
-        or look up in a cache, no bind processing; the connection's events (SQL
-        instrumentation), error wrapping and invalidation as for any statement."""
-        return conn.exec_driver_sql(sql, params).one()
+        """The one row of ``sql`` run on ``conn``.
+
+        With no connection event listened to (SQL instrumentation, statement counters),
+        on the driver's cursor, prepared: the per-call work of SQLAlchemy's execution
+        (an execution context, result metadata) is skipped, its handling of a driver
+        error is not (wrapped, a lost connection invalidated). With listeners, as
+        driver SQL through SQLAlchemy, so that they see it."""
+        if conn._has_events or conn.engine._has_events:
+            return conn.exec_driver_sql(sql, params).one()
+        cursor: Any = conn.connection.cursor()
+        try:
+            cursor.execute(sql, params, prepare=True)
+            values = cursor.fetchone()
+            names = [d[0] for d in cursor.description or ()]
+        except Exception as error:
+            conn._handle_dbapi_exception(error, sql, params, cursor, None)  # raises
+            raise
+        finally:
+            cursor.close()
+        return _Row(zip(names, values or (), strict=True))
 
     def _reopen(self, conn: Executor, new: NewTask) -> bool:
         """A new submission of a finished task's id (no dedup key asked for) is a new
