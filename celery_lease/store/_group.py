@@ -72,10 +72,19 @@ class GroupCommit:
         self._lock = threading.Lock()
         self._queue: list[_Waiting] = []
         self._busy = False
+        #: Set while this thread writes a group (or a submission alone).
+        self._writing = threading.local()
 
     def submit(self, new: NewTask) -> Answer:
         """Write ``new`` (alone, or with the submissions waiting when its turn comes);
         its (task id, created), or the exception its write raised."""
+        if getattr(self._writing, "active", False):
+            # submitted from inside this thread's own write (a transition listener):
+            # waiting for that write would wait for ourselves
+            one = self._one()
+            if one is None:
+                raise RuntimeError("celery-lease: the store of this submission was closed")
+            return one(new)
         me = _Waiting(new)
         with self._lock:
             if self._busy:
@@ -106,6 +115,7 @@ class GroupCommit:
         return me.result()
 
     def _write(self, group: list[_Waiting]) -> None:
+        self._writing.active = True
         try:
             one, many = self._one(), self._many()
             if one is None or many is None:
@@ -130,6 +140,7 @@ class GroupCommit:
             for waiting in group:
                 waiting.error = error  # raised to each caller by result()
         finally:
+            self._writing.active = False
             for waiting in group:
                 if not waiting.lead:
                     waiting.done.set()

@@ -134,3 +134,60 @@ def test_a_value_refused_in_a_shared_write_fails_only_its_own_caller(pg_store: S
     after = new_task()
     assert store.submit(after) == (after.id, True)
     assert not store._group._busy and not store._group._queue
+
+
+def test_many_threads_submitting_at_once_get_one_row_per_id_and_key(pg_store: Store) -> None:
+    store = pg_store
+    threads_n, per_thread = 8, 25
+    # every thread submits its own tasks, and one task of each of 5 shared dedup keys
+    work = [
+        [new_task() for _ in range(per_thread)] + [new_task(dedup_key=f"k{j}") for j in range(5)]
+        for _ in range(threads_n)
+    ]
+    answers: dict[str, Any] = {}
+    barrier = threading.Barrier(threads_n)
+
+    def run(tasks: list[NewTask]) -> None:
+        barrier.wait()
+        for new in tasks:
+            try:
+                answers[new.id] = store.submit(new)
+            except BaseException as error:  # handed to the test
+                answers[new.id] = error
+
+    threads = [threading.Thread(target=run, args=(tasks,)) for tasks in work]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    own = [new for tasks in work for new in tasks if new.dedup_key is None]
+    assert all(answers[new.id] == (new.id, True) for new in own)
+    for j in range(5):
+        keyed = [new for tasks in work for new in tasks if new.dedup_key == f"k{j}"]
+        winners = {answers[new.id][0] for new in keyed}
+        assert len(winners) == 1  # every caller of the key got the one task holding it
+        created = [new for new in keyed if answers[new.id][1]]
+        assert [new.id for new in created] == list(winners)
+    assert store.counts()[State.PENDING] == threads_n * per_thread + 5
+    assert not store._group._busy and not store._group._queue
+
+
+def test_a_submission_from_inside_a_write_is_written_alone(pg_store: Store) -> None:
+    store = pg_store
+    inner = new_task()
+    seen: list[Any] = []
+    fired: list[bool] = []
+
+    def listener(events: Any) -> None:
+        # a transition listener that submits (once): it runs inside the write that
+        # announced the transition, on the same thread
+        if not fired:
+            fired.append(True)  # before: the inner submission announces its own row
+            seen.append(store.submit(inner))
+
+    store.listeners.append(listener)
+    outer = new_task()
+    assert store.submit(outer) == (outer.id, True)
+    assert seen == [(inner.id, True)]
+    assert store.get(inner.id) is not None
