@@ -597,9 +597,9 @@ def done_count(done_dir: Path) -> int:
 
 # -- CPU accounting -----------------------------------------------------------------------
 
-#: application_name of the benchmark's PostgreSQL connections (to find their backends):
-#: one per benchmark process, so that another benchmark running against the same server
-#: is not counted
+#: application_name of the benchmark's PostgreSQL connections (to find their backends)
+#: Unique to this benchmark run (its worker processes inherit it through the URL): on a
+#: shared machine another run's backends would otherwise be counted as this one's.
 PG_APP_NAME = f"celery-lease-bench-{os.getpid()}"
 
 

@@ -95,6 +95,7 @@ from ..exceptions import ConfigurationError, StoreError, StoreUnavailable, Submi
 from ..states import Actor, State
 from ._base import StoreBase, state_is, wrap
 from ._db import DbClock
+from ._group import GroupCommit
 from ._types import Executor, JoinedSubmission, Lease, NewTask, TransitionEvent
 from .schema import after, db_now
 
@@ -374,6 +375,8 @@ class PublishedMarks:
         self._ids: list[str] = []
         self._since = 0.0
         self._thread: threading.Thread | None = None
+        #: The thread waits for ids to arrive (not for the oldest one's delay to pass).
+        self._idle = False
         #: Held while ids taken by :meth:`flush` are being recorded: a flush at exit
         #: waits for the background thread's, or the interpreter would end it midway.
         self._flushing = threading.Lock()
@@ -383,11 +386,13 @@ class PublishedMarks:
         with self._cond:
             if not self._ids:
                 self._since = time.monotonic()
-                self._cond.notify()
+                if self._idle:  # a thread in its timed wait wakes by itself
+                    self._cond.notify()
             self._ids.append(task_id)
             if len(self._ids) >= self.batch:
                 self._cond.notify()
-        self._start()
+        if self._thread is None:
+            self._start()
 
     def take(self) -> list[str]:
         """Every waiting id, for the caller to record in a statement it sends anyway.
@@ -419,7 +424,8 @@ class PublishedMarks:
         with self._cond:
             if not self._ids:
                 self._since = time.monotonic()
-                self._cond.notify()
+                if self._idle:
+                    self._cond.notify()
             self._ids[:0] = ids
 
     def flush(self) -> None:
@@ -443,7 +449,11 @@ class PublishedMarks:
         while True:
             with self._cond:
                 while not self._ids:
-                    self._cond.wait(_IDLE_CHECK)
+                    self._idle = True
+                    try:
+                        self._cond.wait(_IDLE_CHECK)
+                    finally:
+                        self._idle = False
                     if not self._ids and self._record() is None:
                         return  # the store is gone
                 wait = self._since + self.delay - time.monotonic()
@@ -494,6 +504,16 @@ _FIELDS: tuple[tuple[str, Any], ...] = (
 )
 
 
+class _Row(dict[str, Any]):
+    """A result row read by column name, as an attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 #: Rows per statement: well under SQLite's and PostgreSQL's bound-parameter limits.
 BATCH_SIZE = 500
 
@@ -504,6 +524,8 @@ class Submission(StoreBase):
     def __init__(self, config: LeaseConfig) -> None:
         super().__init__(config)
         self._marks = PublishedMarks(self.mark_published)
+        #: Concurrent single submissions of this process share a statement and a commit.
+        self._group = GroupCommit(self._submit_alone, self.submit_many)
         #: The database's clock, for the deadline of a submission in database time.
         self._db_clock = DbClock()
 
@@ -517,6 +539,8 @@ class Submission(StoreBase):
         :meth:`submit_joined`). Without, the same transaction also records the rows
         waiting in :meth:`mark_published_soon`.
         """
+        if conn is None and self.is_pg:
+            return self._group.submit(new)
         params = _submit_params(new)
         countdown = new.countdown is not None
 
@@ -539,12 +563,20 @@ class Submission(StoreBase):
 
         if conn is not None:
             return op(conn, False)
+        # SQLite, a local file: a call that fails wrote nothing (its transaction is gone)
         marks = self._marks.take()
         try:
-            if not self.is_pg:
-                # a local file: a call that fails wrote nothing (its transaction is gone)
-                return self._tx(lambda conn, is_retry: op(conn, is_retry, marks))
-            return self._submit_pg_call(new, params, countdown, marks)
+            return self._tx(lambda conn, is_retry: op(conn, is_retry, marks))
+        except BaseException:
+            self._marks.put_back(marks)
+            raise
+
+    def _submit_alone(self, new: NewTask) -> tuple[str, bool]:
+        """PostgreSQL's :meth:`submit` with no other submission of this process under
+        way: one statement, which also records the waiting "published" marks."""
+        marks = self._marks.take()
+        try:
+            return self._submit_pg_call(new, _submit_params(new), new.countdown is not None, marks)
         except BaseException:
             self._marks.put_back(marks)
             raise
@@ -561,14 +593,18 @@ class Submission(StoreBase):
                 was sent (its row may have been written before the deadline).
             StoreUnavailable: nothing was written.
         """
-        stmt = self._prepared(("submit-pg", countdown), lambda: self._submit_pg(countdown))
+        sql, constants = self._prepared(
+            ("submit-pg-sql", countdown), lambda: self._compiled(self._submit_pg(countdown))
+        )
         sent = False
 
         def once(conn: Connection, is_retry: bool) -> tuple[str, bool] | None:
             nonlocal sent
             deadline = self._db_clock.deadline(conn, self.config.db_timeout)
             sent = True
-            row = conn.execute(stmt, {**params, "b_marks": marks, "b_deadline": deadline}).one()
+            row = self._execute_compiled(
+                conn, sql, {**constants, **params, "b_marks": marks, "b_deadline": deadline}
+            )
             self._db_clock.saw(row.db_clock)
             if row.created is not None:
                 self._record_event(
@@ -618,6 +654,42 @@ class Submission(StoreBase):
             # its own: the row it replaces was committed before this call)
             return new.id, True
         return tid, created
+
+    def _compiled(self, stmt: Any) -> tuple[str, dict[str, Any]]:
+        """``stmt`` compiled once for the driver: its text and the values of the bind
+        parameters it holds itself (literals); the caller's ``b_*`` values go with
+        them. The hot single-row submit runs it with no statement object to look up and
+        bind on every call (see :meth:`_execute_compiled`); psycopg prepares it."""
+        compiled = stmt.compile(dialect=self.engine.dialect)
+        constants = {
+            k: v
+            for k, v in compiled.construct_params(_check=False).items()
+            if not k.startswith("b_")
+        }
+        return str(compiled), constants
+
+    @staticmethod
+    def _execute_compiled(conn: Connection, sql: str, params: dict[str, Any]) -> Any:
+        """The one row of ``sql`` run on ``conn``.
+
+        With no connection event listened to (SQL instrumentation, statement counters),
+        on the driver's cursor, prepared: the per-call work of SQLAlchemy's execution
+        (an execution context, result metadata) is skipped, its handling of a driver
+        error is not (wrapped, a lost connection invalidated). With listeners, as
+        driver SQL through SQLAlchemy, so that they see it."""
+        if conn._has_events or conn.engine._has_events:
+            return conn.exec_driver_sql(sql, params).one()
+        cursor: Any = conn.connection.cursor()
+        try:
+            cursor.execute(sql, params, prepare=True)
+            values = cursor.fetchone()
+            names = [d[0] for d in cursor.description or ()]
+        except Exception as error:
+            conn._handle_dbapi_exception(error, sql, params, cursor, None)  # raises
+            raise
+        finally:
+            cursor.close()
+        return _Row(zip(names, values or (), strict=True))
 
     def _reopen(self, conn: Executor, new: NewTask) -> bool:
         """A new submission of a finished task's id (no dedup key asked for) is a new

@@ -246,6 +246,7 @@ def test_the_cpu_table_benchmark_prints_every_process_for_every_variant(
     for row in sleep[1:]:
         assert _number(row[3]) > 0
 
+
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
 def test_the_wal_breakdown_prints_what_a_lifecycle_writes(pg_url: str, redis_url: str) -> None:
@@ -260,3 +261,27 @@ def test_the_wal_breakdown_prints_what_a_lifecycle_writes(pg_url: str, redis_url
     # key add nothing to the dedup index, and no (name, state) index is left to write
     assert {"tasks", "transitions", "tasks_pkey", "transitions_task"} <= relations
     assert not relations & {"tasks_dedup_key", "tasks_name_state"}
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_the_submission_benchmark_prints_its_table(pg_url: str, redis_url: str) -> None:
+    proc = _run(["bench_submit.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 250)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| broker | threads | variant | .delay() /s | vs plain |")
+    # plain and leased, one thread and eight, on each broker: the leased rows carry the
+    # PostgreSQL figure, and every call wrote its row (the script checks the count)
+    measured = [r for r in rows if r.startswith(("| redis", "| rabbitmq"))]
+    assert [tuple(c.strip() for c in r.strip("|").split("|")[:3]) for r in measured] == [
+        (broker, threads, variant)
+        for broker in ("redis", "rabbitmq")
+        for threads in ("1", "8")
+        for variant in ("plain Celery", "LeasedTask, PostgreSQL")
+    ]
+    for row in measured:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[3].replace(",", "")) > 0  # calls per second
+        assert float(cells[5]) > 0  # client CPU per call
+    assert "where a .delay() spends its time" in proc.stdout
