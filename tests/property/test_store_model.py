@@ -54,6 +54,7 @@ def database(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> It
         db.close()
 
 
+@pytest.mark.slow
 def test_the_store_follows_its_model(database: Database) -> None:
     run_state_machine_as_test(
         machine_for(database), settings=settings(settings.get_profile(PROFILE))
