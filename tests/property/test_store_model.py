@@ -28,8 +28,8 @@ _QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck
 #: CI's budget: about 30 s per store on two shared cores.
 settings.register_profile(
     "model-ci",
-    max_examples=25,
-    stateful_step_count=40,
+    max_examples=15,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=_QUIET,
 )
