@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hypothesis import HealthCheck, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from tests.property.store_model import Database, machine_for
+from tests.property.model_database import Database
+from tests.property.store_model import machine_for
 
 
 def main(argv: list[str] | None = None) -> int:

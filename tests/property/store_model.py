@@ -25,16 +25,10 @@ answer. After every rule the database must equal the model and these must hold:
 * a done step is never re-run: a step's function is called only while its row is not
   DONE, and a DONE row's result and attempt never change.
 
-**The clock.** Every decision compares database time (``db_now`` compiles to
-``statement_timestamp()`` on PostgreSQL and ``julianday('now')`` on SQLite). The test
-does not mock the database: it gives each database a clock it controls, in SQL the
-database itself evaluates, without a line of production code. On PostgreSQL the
-example's connections have ``search_path`` set to a clock schema *before*
-``pg_catalog``, where a function ``statement_timestamp()`` returns the one row of a
-clock table; on SQLite each connection registers an application-defined
-``julianday()``, which overrides the built-in, answering the clock for ``'now'``. Time
-then only passes when the :meth:`StoreMachine.tick` rule says so: the test is as fast
-as the store and deterministic, and Hypothesis can shrink a failure to the shortest
+**The clock.** Every decision compares database time, and the test sets the database's
+clock in SQL the database evaluates (see :mod:`tests.property.model_database`): time
+only passes when the :meth:`StoreMachine.tick` rule says so, so the test is as fast as
+the store and deterministic, and Hypothesis can shrink a failure to the shortest
 sequence of rules. Time moves in whole seconds and every duration the rules compare
 (TTLs, ``max_runtime``, grace periods, retention, countdowns) ends in half a second, so
 no comparison ever falls on a boundary (SQLite's REAL timestamps are exact to about
@@ -46,37 +40,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
+from datetime import datetime, timezone
 from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from sqlalchemy import event
 
 from celery_lease.check import check
-from celery_lease.config import LeaseConfig
 from celery_lease.exceptions import IllegalTransition, TaskNotFound
 from celery_lease.states import STEP_DONE, STEP_STARTED, Actor, State, sources
-from celery_lease.store import Claim, Lease, NewTask, Outcome, Refusal, Store
+from celery_lease.store import Claim, Lease, NewTask, Outcome, Refusal
 
-# -- the clock --------------------------------------------------------------------------
+from .model_database import EPOCH, TIMINGS, Database
 
-#: Where every example's clock starts (any fixed time: the runs are deterministic).
-EPOCH = datetime(2030, 1, 1, tzinfo=timezone.utc)
+# -- what the rules choose from ---------------------------------------------------
+
 #: ``published_at`` of a row held for a pause (``Operator.HELD``), seconds from EPOCH.
 HELD = datetime(1970, 1, 1, tzinfo=timezone.utc).timestamp() - EPOCH.timestamp()
 
-#: Durations the store compares, each ending in half a second (see the docstring).
-TIMINGS: dict[str, Any] = {
-    "ttl": 9.5,
-    "heartbeat_interval": 3.5,
-    "reaper_interval": 3.5,
-    "publish_grace": 1.5,
-    "republish_after": 4.5,
-    "max_age": 60.5,
-    "retention": 30.5,
-}
 LEASE_TTLS = (4.5, 9.5)
 MAX_RUNTIMES = (None, 6.5)
 COUNTDOWNS = (None, 0.0, 2.5)
@@ -90,110 +71,6 @@ NODES = ("n1", "n2", "n3")
 MAX_TASKS = 6
 #: Which of the last three workers renew while time passes (a bit each): mostly all.
 BEATING = (7, 7, 7, 3, 1, 0)
-
-
-class Database:
-    """Where the examples' stores live, and the clock they all read.
-
-    ``url``: a PostgreSQL URL (a clock schema for this object, a fresh schema per
-    example, all dropped by :meth:`close`) or ``None`` for SQLite (a fresh file per
-    example under ``folder``)."""
-
-    def __init__(self, url: str | None, folder: Path) -> None:
-        self.url = url
-        self.folder = folder
-        self.now = 0.0  # seconds since EPOCH
-        self._count = 0
-        self._admin: Any = None
-        self.clock_schema = f"mclock_{uuid.uuid4().hex[:10]}"
-        if url is not None:
-            import psycopg
-
-            self._admin = psycopg.connect(_libpq(url), autocommit=True)
-            c = self.clock_schema
-            self._admin.execute(f"CREATE SCHEMA {c}")
-            self._admin.execute(f"CREATE TABLE {c}.clock (now timestamptz NOT NULL)")
-            self._admin.execute(f"INSERT INTO {c}.clock VALUES (%s)", (EPOCH,))
-            self._admin.execute(
-                f"CREATE FUNCTION {c}.statement_timestamp() RETURNS timestamptz "
-                f"LANGUAGE sql STABLE AS 'SELECT now FROM {c}.clock'"
-            )
-
-    @property
-    def is_pg(self) -> bool:
-        return self.url is not None
-
-    def set_clock(self, seconds: float) -> None:
-        """The database's time is ``EPOCH + seconds`` from the next statement on."""
-        self.now = seconds
-        if self._admin is not None:
-            self._admin.execute(
-                f"UPDATE {self.clock_schema}.clock SET now = %s",
-                (EPOCH + timedelta(seconds=seconds),),
-            )
-
-    def _julianday(self, value: str) -> float | None:
-        if value != "now":
-            return None
-        return (EPOCH.timestamp() + self.now) / 86400.0 + 2440587.5
-
-    def new_store(self) -> Store:
-        """A migrated store on tables no earlier example touched, its clock at EPOCH."""
-        self._count += 1
-        self.set_clock(0.0)
-        if self.url is None:
-            config = LeaseConfig(
-                database_url=f"sqlite:///{self.folder / f'model-{self._count}.sqlite3'}",
-                **TIMINGS,
-            )
-        else:
-            schema = f"model_{uuid.uuid4().hex[:10]}"
-            config = LeaseConfig(database_url=self.url, schema=schema, **TIMINGS)
-        store = Store(config)
-        # before the first connection: every connection of the store reads the clock
-        if self.url is None:
-
-            @event.listens_for(store.engine, "connect")
-            def _sqlite_clock(dbapi_conn: Any, record: Any) -> None:
-                dbapi_conn.create_function("julianday", 1, self._julianday)
-
-        else:
-            path = f"{self.clock_schema}, pg_catalog, public"
-
-            @event.listens_for(store.engine, "connect")
-            def _pg_clock(dbapi_conn: Any, record: Any) -> None:
-                with dbapi_conn.cursor() as cur:
-                    cur.execute(f"SET search_path TO {path}")
-                dbapi_conn.commit()
-
-        store.migrate()
-        return store
-
-    def drop(self, store: Store) -> None:
-        try:
-            if self.url is None:
-                path = Path(store.engine.url.database or "")
-                store.dispose()
-                for suffix in ("", "-wal", "-shm"):
-                    Path(f"{path}{suffix}").unlink(missing_ok=True)
-            else:
-                store.drop_schema()
-                store.dispose()
-        except Exception:
-            store.dispose()
-            raise
-
-    def close(self) -> None:
-        if self._admin is not None:
-            self._admin.execute(f"DROP SCHEMA IF EXISTS {self.clock_schema} CASCADE")
-            self._admin.close()
-            self._admin = None
-
-
-def _libpq(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 # -- the reference model ----------------------------------------------------------------

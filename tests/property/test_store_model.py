@@ -21,7 +21,8 @@ from celery_lease.states import State
 from celery_lease.store import Lease, NewTask, Store
 from celery_lease.store.schema import db_now
 
-from .store_model import Database, StoreMachine, machine_for
+from .model_database import Database
+from .store_model import StoreMachine, machine_for
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
 
