@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--postgres", metavar="URL", help="a PostgreSQL database to use")
     parser.add_argument("--seed", type=int, help="the first round's seed (default: random)")
     parser.add_argument("--rounds", type=int, help="stop after this many rounds")
-    parser.add_argument("--examples", type=int, default=50, help="examples per round")
+    parser.add_argument("--examples", type=int, default=20, help="examples per round")
     parser.add_argument("--steps", type=int, default=80, help="rules per example, at most")
     args = parser.parse_args(argv)
     first = args.seed if args.seed is not None else random.randrange(2**32)
