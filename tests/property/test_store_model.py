@@ -26,10 +26,10 @@ from .store_model import StoreMachine, machine_for
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
 
-#: CI's budget: about 30 s per store on two shared cores.
+#: CI's budget: well under a minute per store on two shared cores (docs/reliability.md).
 settings.register_profile(
     "model-ci",
-    max_examples=15,
+    max_examples=20,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=_QUIET,
