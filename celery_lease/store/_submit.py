@@ -52,6 +52,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -822,11 +823,11 @@ class Submission(StoreBase):
             self._announce_submitted(rows, created)
             return self._answer(conn, rows, created, is_retry)
         # the single-row statements of submit(), built once and run as executemany:
-        # SQLAlchemy sends each as multi-row INSERT ... VALUES pages ("insertmanyvalues")
-        for countdown in (False, True):
-            params = [_submit_params(n) for n in rows if (n.countdown is not None) is countdown]
-            if not params:
-                continue
+        # SQLAlchemy sends each as multi-row INSERT ... VALUES pages ("insertmanyvalues");
+        # runs of rows in their order, so that of two rows with one id or dedup key the
+        # first wins, whichever of them has a countdown
+        for countdown, run in itertools.groupby(rows, key=lambda n: n.countdown is not None):
+            params = [_submit_params(n) for n in run]
             stmt = self._prepared(
                 ("submit", countdown), functools.partial(self._submit_insert, countdown)
             )

@@ -1,0 +1,845 @@
+"""A model-based test of the store and its deciders: many tasks, many workers, a clock.
+
+:class:`StoreMachine` is a Hypothesis ``RuleBasedStateMachine`` that drives the real
+:class:`~celery_lease.store.Store` (a fresh SQLite file, or a fresh PostgreSQL schema,
+for every example) through its public operations, as producers, workers, the reaper
+and operators call them: submissions (one, many, with dedup keys, a finished id sent
+again, a message without a row adopted at claim), worker incarnations with heartbeats,
+claims (one and in batches), steps started and done, progress, outcomes (success,
+failure, cancel, retry; one by one and in batches), a lease given up, time passing,
+the reaper's sweeps (expiry and its recovery decision: retry, WAIT_MANUAL, poison, too
+old, cancel; overruns; due retries; re-publishing), operator moves (retry, fail,
+resolve, cancel), cancel requests, pauses, retention and tombstones.
+
+A plain-Python reference model (:class:`Model`: the rules of ``celery_lease/states.py``,
+``celery_lease/policy.py`` and DESIGN.md, written again without SQL) predicts every
+answer. After every rule the database must equal the model and these must hold:
+
+* ``lease check``'s safety invariants (:func:`celery_lease.check.check`) find nothing;
+* every row's fencing token is the token of the execution the model says holds the
+  lease (so at most one execution per task is live; :meth:`StoreMachine.probe_leases`
+  asks the store itself, through ``check_lease``, about every execution of a task);
+* every write is fenced: a step, progress, outcome, retry or give-up from an execution
+  that does not hold the lease changes nothing (the database still equals the model);
+* the audit trail of every task is exactly the transitions the model saw, in order;
+* a done step is never re-run: a step's function is called only while its row is not
+  DONE, and a DONE row's result and attempt never change.
+
+**The clock.** Every decision compares database time, and the test sets the database's
+clock in SQL the database evaluates (see :mod:`tests.property.model_database`): time
+only passes when the :meth:`StoreMachine.tick` rule says so, so the test is as fast as
+the store and deterministic, and Hypothesis can shrink a failure to the shortest
+sequence of rules. Time moves in whole seconds and every duration the rules compare
+(TTLs, ``max_runtime``, grace periods, retention, countdowns) ends in half a second, so
+no comparison ever falls on a boundary (SQLite's REAL timestamps are exact to about
+ten microseconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from celery_lease.check import check
+from celery_lease.exceptions import IllegalTransition, TaskNotFound
+from celery_lease.states import STEP_DONE, STEP_STARTED, Actor, State, sources
+from celery_lease.store import Claim, Lease, NewTask, Outcome, Refusal
+
+from .model_database import EPOCH, TIMINGS, Database
+
+# -- what the rules choose from ---------------------------------------------------
+
+#: ``published_at`` of a row held for a pause (``Operator.HELD``), seconds from EPOCH.
+HELD = datetime(1970, 1, 1, tzinfo=timezone.utc).timestamp() - EPOCH.timestamp()
+
+LEASE_TTLS = (4.5, 9.5)
+MAX_RUNTIMES = (None, 6.5)
+COUNTDOWNS = (None, 0.0, 2.5)
+RETRY_DELAYS = (0.0, 2.5)
+TICKS = (1, 2, 3, 5, 8, 13)
+NAMES = ("mail", "ship")
+DEDUP_KEYS = ("k0", "k1", "k2")
+STEPS = ("load", "charge", "send")
+NODES = ("n1", "n2", "n3")
+#: Rows an example makes at most (few rows, many moves each).
+MAX_TASKS = 6
+#: Which of the last three workers renew while time passes (a bit each): mostly all.
+BEATING = (7, 7, 7, 3, 1, 0)
+
+
+# -- the reference model ----------------------------------------------------------------
+
+FINISHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
+LIVE = (State.RUNNING, State.WAIT_MANUAL)
+
+
+@dataclasses.dataclass
+class MStep:
+    state: str
+    attempt: int
+    idempotent: bool
+    result: str | None = None
+
+
+@dataclasses.dataclass
+class MTask:
+    """One row as the design says it must be."""
+
+    id: str
+    name: str
+    dedup_key: str | None
+    lease_ttl: float
+    max_runtime: float | None
+    max_recoveries: int
+    on_timeout: str
+    created_at: float
+    state: State = State.PENDING
+    attempt: int = 0
+    recoveries: int = 0
+    retries: int = 0
+    owner: str | None = None
+    #: Index of the execution whose token the row holds (``None``: no token).
+    token_exec: int | None = None
+    updated_at: float = 0.0
+    eta: float | None = None
+    next_retry_at: float | None = None
+    finished_at: float | None = None
+    progress_at: float | None = None
+    published_at: float | None = None
+    publish_count: int = 0
+    cancel_requested: bool = False
+    steps: dict[str, MStep] = dataclasses.field(default_factory=dict)
+    #: Bumped when a new run replaces the row (resubmission, adoption after a purge).
+    generation: int = 0
+
+
+@dataclasses.dataclass
+class MWorker:
+    id: str
+    node: str
+    heartbeat_at: float
+    stopped: bool = False
+
+
+@dataclasses.dataclass
+class Exec:
+    """One execution (one successful claim), current or stale."""
+
+    lease: Lease
+    worker: str
+    generation: int
+
+
+def expiry_decision(task: MTask, now: float, max_age: float | None) -> State:
+    """policy.after_timeout, written again: what an expired lease becomes."""
+    inflight = any(
+        s.state == STEP_STARTED and not s.idempotent and s.attempt == task.attempt
+        for s in task.steps.values()
+    )
+    if inflight:
+        return State.WAIT_MANUAL
+    if task.cancel_requested:
+        return State.CANCELLED
+    if task.on_timeout == "manual" or task.recoveries > task.max_recoveries:
+        return State.WAIT_MANUAL
+    if max_age is not None and now - task.created_at > max_age:
+        return State.WAIT_MANUAL
+    return State.RETRY_WAIT
+
+
+# -- the machine ------------------------------------------------------------------------
+
+PICK = st.integers(0, 1_000)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Rules drive the real store; the model predicts; invariants compare."""
+
+    #: Set by the test (or the script) before the machine runs.
+    database: Database
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.db = self.database
+        self.store = self.db.new_store()
+        self.now = 0.0
+        self.tasks: dict[str, MTask] = {}
+        self.trails: dict[str, list[tuple[State | None, State, int]]] = {}
+        self.tombstones: dict[str, float] = {}
+        self.workers: list[MWorker] = []
+        self.execs: list[Exec] = []
+        self.paused: set[str] = set()
+        #: Calls of each step's function: (task id, generation, step) -> count.
+        self.calls: dict[tuple[str, int, str], int] = {}
+        self.ids_made = 0
+        for node in NODES[:2]:  # two workers from the start; more come and go by rules
+            self.start_worker(node)
+
+    def teardown(self) -> None:
+        self.db.drop(self.store)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        self.ids_made += 1
+        return f"t{self.ids_made}"
+
+    def _audit(self, task: MTask, frm: State | None, to: State) -> None:
+        self.trails.setdefault(task.id, []).append((frm, to, task.attempt))
+        if frm is not None:
+            assert task.state is frm
+        task.state = to
+        task.updated_at = self.now
+
+    def _live_workers(self) -> list[MWorker]:
+        return [w for w in self.workers if not w.stopped]
+
+    def _pick(self, items: list[Any], i: int) -> Any:
+        return items[i % len(items)]
+
+    def _task_ids(self) -> list[str]:
+        return sorted(self.tasks)
+
+    def _holds(self, index: int) -> bool:
+        """Whether execution ``index`` passes the fence (the row has its token and is
+        RUNNING or WAIT_MANUAL)."""
+        e = self.execs[index]
+        task = self.tasks.get(e.lease.task_id)
+        return task is not None and task.token_exec == index and task.state in LIVE
+
+    def _exec(self, e: int, stale: bool) -> int:
+        """An execution's index: with ``stale``, any (most are stale); otherwise one that
+        holds its lease, if any does."""
+        holding = [n for n in range(len(self.execs)) if self._holds(n)]
+        if stale or not holding:
+            return e % len(self.execs)
+        return self._pick(holding, e)
+
+    def _expired(self, task: MTask) -> bool:
+        owner = next((w for w in self.workers if w.id == task.owner), None)
+        return owner is None or owner.stopped or owner.heartbeat_at + task.lease_ttl < self.now
+
+    def _new_task(self, spec: dict[str, Any], task_id: str) -> MTask:
+        countdown = spec["countdown"]
+        return MTask(
+            id=task_id,
+            name=spec["name"],
+            dedup_key=spec["dedup_key"],
+            lease_ttl=spec["lease_ttl"],
+            max_runtime=spec["max_runtime"],
+            max_recoveries=spec["max_recoveries"],
+            on_timeout=spec["on_timeout"],
+            created_at=self.now,
+            updated_at=self.now,
+            eta=None if countdown is None else self.now + countdown,
+        )
+
+    @staticmethod
+    def _row(spec: dict[str, Any], task_id: str) -> NewTask:
+        return NewTask(
+            id=task_id,
+            name=spec["name"],
+            args="[]",
+            kwargs="{}",
+            options="{}",
+            lease_ttl=spec["lease_ttl"],
+            max_recoveries=spec["max_recoveries"],
+            dedup_key=spec["dedup_key"],
+            countdown=spec["countdown"],
+            max_runtime=spec["max_runtime"],
+            on_timeout=spec["on_timeout"],
+        )
+
+    def _expect_submit(self, spec: dict[str, Any], task_id: str) -> tuple[str, bool]:
+        """The model's answer to a submission of ``task_id`` (and its effect)."""
+        key = spec["dedup_key"]
+        if key is not None:
+            for t in self.tasks.values():
+                if t.dedup_key == key:
+                    return t.id, False
+        existing = self.tasks.get(task_id)
+        if existing is not None:
+            if key is None and existing.state in (State.SUCCEEDED, State.FAILED):
+                # a new run of a finished id: a fresh row in place of the old one
+                task = self._new_task(spec, task_id)
+                task.generation = existing.generation + 1
+                self.tasks[task_id] = task
+                self._audit(task, None, State.PENDING)
+                return task_id, True
+            return task_id, False
+        task = self._new_task(spec, task_id)
+        self.tasks[task_id] = task
+        self._audit(task, None, State.PENDING)
+        return task_id, True
+
+    def _claimed(self, task: MTask, worker: MWorker, lease: Lease) -> None:
+        task.attempt += 1
+        assert lease.attempt == task.attempt, (lease, task.attempt)
+        self._audit(task, State.PENDING, State.RUNNING)
+        task.owner = worker.id
+        task.progress_at = self.now
+        task.finished_at = None
+        task.next_retry_at = None
+        self.execs.append(Exec(lease, worker.id, task.generation))
+        task.token_exec = len(self.execs) - 1
+
+    def _due(self, task: MTask) -> bool:
+        return task.eta is None or task.eta <= self.now
+
+    def _expire(self, task: MTask) -> State:
+        """RUNNING -> TIMEOUT -> the policy's decision."""
+        self._audit(task, State.RUNNING, State.TIMEOUT)
+        task.token_exec = None
+        task.recoveries += 1
+        to = expiry_decision(task, self.now, TIMINGS["max_age"])
+        self._audit(task, State.TIMEOUT, to)
+        if to is State.RETRY_WAIT:
+            task.next_retry_at = self.now
+        if to is State.CANCELLED:
+            task.finished_at = self.now
+        return to
+
+    def _published(self, task: MTask) -> None:
+        if task.state is State.PENDING and task.published_at is None:
+            task.published_at = self.now
+            task.publish_count += 1
+
+    def _unpublished(self, task: MTask) -> bool:
+        """The reaper's ``take_unpublished`` takes this row."""
+        if task.state is not State.PENDING or task.name in self.paused:
+            return False
+        if task.published_at is None:
+            return task.updated_at + TIMINGS["publish_grace"] < self.now
+        pc = task.publish_count
+        backoff = 1 if pc <= 1 else 64 if pc >= 7 else 1 << (pc - 1)
+        base = max(task.eta if task.eta is not None else task.published_at, task.published_at)
+        return base + TIMINGS["republish_after"] * backoff < self.now
+
+    # -- time and workers -----------------------------------------------------------------
+
+    @rule(seconds=st.sampled_from(TICKS), beating=st.sampled_from(BEATING))
+    def tick(self, seconds: int, beating: int) -> None:
+        """Time passes; the workers whose bit is set in ``beating`` renew meanwhile."""
+        for i, worker in enumerate(self.workers[-3:]):
+            if beating & (1 << i):
+                self._renew(worker)
+        self.now += seconds
+        self.db.set_clock(self.now)
+
+    def _renew(self, worker: MWorker) -> None:
+        renewed = self.store.renew(worker.id)
+        assert renewed == (not worker.stopped)
+        if renewed:
+            worker.heartbeat_at = self.now
+
+    @precondition(lambda self: len(self.workers) < 6)
+    @rule(node=st.sampled_from(NODES))
+    def start_worker(self, node: str) -> None:
+        """A new incarnation under ``node``: earlier live ones of that node are superseded."""
+        worker = MWorker(f"w{len(self.workers) + 1}-{uuid.uuid4().hex[:6]}", node, self.now)
+        superseded = self.store.register_worker(worker.id, node, "host", 1000 + len(self.workers))
+        expected = {w.id for w in self.workers if w.node == node and not w.stopped}
+        assert set(superseded) == expected
+        for w in self.workers:
+            if w.id in expected:
+                w.stopped = True
+        self.workers.append(worker)
+
+    @precondition(lambda self: self.workers)
+    @rule(i=PICK)
+    def heartbeat(self, i: int) -> None:
+        self._renew(self._pick(self.workers, i))
+
+    @precondition(lambda self: self.workers)
+    @rule(i=PICK)
+    def stop_worker(self, i: int) -> None:
+        worker = self._pick(self.workers, i)
+        self.store.stop_worker(worker.id, "stopped by the model")
+        worker.stopped = True
+
+    # -- submissions ----------------------------------------------------------------------
+
+    specs = st.fixed_dictionaries(
+        {
+            "name": st.sampled_from(NAMES),
+            "dedup_key": st.none() | st.sampled_from(DEDUP_KEYS),
+            "lease_ttl": st.sampled_from(LEASE_TTLS),
+            "max_runtime": st.sampled_from(MAX_RUNTIMES),
+            "max_recoveries": st.integers(0, 2),
+            "on_timeout": st.sampled_from(("retry", "retry", "retry", "manual")),
+            "countdown": st.sampled_from(COUNTDOWNS),
+        }
+    )
+
+    @precondition(lambda self: len(self.tasks) < MAX_TASKS)
+    @rule(spec=specs)
+    def submit(self, spec: dict[str, Any]) -> None:
+        task_id = self._new_id()
+        answer = self.store.submit(self._row(spec, task_id))
+        assert answer == self._expect_submit(spec, task_id)
+
+    @precondition(lambda self: self.tasks)
+    @rule(i=PICK, spec=specs)
+    def submit_again(self, i: int, spec: dict[str, Any]) -> None:
+        """The same task id sent again (no dedup key): a finished run is replaced."""
+        task_id = self._pick(self._task_ids(), i)
+        spec = {**spec, "dedup_key": None}
+        answer = self.store.submit(self._row(spec, task_id))
+        assert answer == self._expect_submit(spec, task_id)
+
+    @precondition(lambda self: len(self.tasks) < MAX_TASKS)
+    @rule(batch=st.lists(specs, min_size=1, max_size=4))
+    def submit_many(self, batch: list[dict[str, Any]]) -> None:
+        ids = [self._new_id() for _ in batch]
+        answers = self.store.submit_many([self._row(s, i) for s, i in zip(batch, ids, strict=True)])
+        expected = [self._expect_submit(s, i) for s, i in zip(batch, ids, strict=True)]
+        assert answers == expected, f"submit_many answered {answers}, the model says {expected}"
+
+    @precondition(lambda self: self.tasks)
+    @rule(i=PICK)
+    def producer_publishes(self, i: int) -> None:
+        """The producer handed the row's message to the broker and marks it published."""
+        task = self.tasks[self._pick(self._task_ids(), i)]
+        self.store.mark_published([task.id])
+        self._published(task)
+
+    # -- claims ---------------------------------------------------------------------------
+
+    @precondition(lambda self: self.tasks and self._live_workers())
+    @rule(w=PICK, i=PICK, duplicate=st.booleans())
+    def claim(self, w: int, i: int, duplicate: bool) -> None:
+        """A delivery claimed (``duplicate``: of any task, most often one that is not
+        PENDING: a duplicate or stale delivery, refused)."""
+        worker = self._pick(self._live_workers(), w)
+        pending = [t for t in self._task_ids() if self.tasks[t].state is State.PENDING]
+        task = self.tasks[self._pick(pending if pending and not duplicate else self._task_ids(), i)]
+        answer = self.store.claim(task.id, worker.id, f"worker:{worker.node}")
+        if task.state is State.PENDING and self._due(task):
+            assert isinstance(answer, Claim), answer
+            assert answer.resumed == (task.attempt > 0)
+            assert answer.cancel_requested == task.cancel_requested
+            assert (answer.retries, answer.recoveries) == (task.retries, task.recoveries)
+            self._claimed(task, worker, answer.lease)
+            return
+        assert isinstance(answer, Refusal), answer
+        assert answer.state is task.state
+        assert answer.early == (task.state is State.PENDING)
+
+    @precondition(lambda self: self._live_workers())
+    @rule(w=PICK, i=PICK, known=st.booleans(), spec=specs)
+    def claim_adopting(self, w: int, i: int, known: bool, spec: dict[str, Any]) -> None:
+        """A message with no row: adopted at claim, unless its id has a tombstone."""
+        worker = self._pick(self._live_workers(), w)
+        tombs = sorted(t for t in self.tombstones if t not in self.tasks)
+        if known and tombs:
+            task_id = self._pick(tombs, i)
+        else:
+            if len(self.tasks) >= MAX_TASKS:
+                return
+            task_id = self._new_id()
+        spec = {**spec, "dedup_key": None, "countdown": None}
+        answer = self.store.claim(
+            task_id, worker.id, f"worker:{worker.node}", adopt=self._row(spec, task_id)
+        )
+        if task_id in self.tombstones:
+            assert isinstance(answer, Refusal) and answer.state is None, answer
+            return
+        assert isinstance(answer, Claim), answer
+        assert answer.resumed
+        task = self._new_task(spec, task_id)
+        task.published_at = self.now
+        self.tasks[task_id] = task
+        self._audit(task, None, State.PENDING)
+        self._claimed(task, worker, answer.lease)
+
+    @precondition(lambda self: self.tasks and self._live_workers())
+    @rule(w=PICK, picks=st.sets(PICK, min_size=1, max_size=4))
+    def claim_many(self, w: int, picks: set[int]) -> None:
+        """Deliveries that arrived together, claimed ahead in one statement."""
+        worker = self._pick(self._live_workers(), w)
+        ids = sorted({self._pick(self._task_ids(), p) for p in picks})
+        asks = [(task_id, uuid.uuid4().hex) for task_id in ids]
+        claims = self.store.claim_many(asks, worker.id, f"worker:{worker.node}")
+        for task_id, token in asks:
+            task = self.tasks[task_id]
+            eligible = (
+                task.state is State.PENDING
+                and self._due(task)
+                and task.max_runtime is None
+                and task.on_timeout == "retry"
+            )
+            assert (token in claims) == eligible, (task, claims)
+            if eligible:
+                self._claimed(task, worker, claims[token].lease)
+        assert set(claims) <= {token for _, token in asks}
+
+    # -- a running task's writes, from the current execution or a stale one ---------------
+
+    @precondition(lambda self: self.execs)
+    @rule(e=PICK, stale=st.booleans(), name=st.sampled_from(STEPS), idempotent=st.booleans())
+    def step(self, e: int, stale: bool, name: str, idempotent: bool) -> None:
+        """A step as a task runs it: a done step returns its stored result without
+        running; a non-idempotent one records its start (fenced) before calling out;
+        the result is stored first-writer-wins (fenced)."""
+        index = self._exec(e, stale)
+        ex = self.execs[index]
+        lease = ex.lease
+        holds = self._holds(index)
+        task = self.tasks.get(lease.task_id)
+        recorded = self.store.load_steps(lease.task_id)
+        model_step = task.steps.get(name) if task is not None else None
+        if model_step is not None and model_step.state == STEP_DONE:
+            assert recorded[name].state == STEP_DONE
+            return  # returned from the record: not run again
+        if not idempotent:
+            answer = self.store.step_started(lease, name, checkable=False)
+            if not holds:
+                assert answer is None, "a stale execution's step start was accepted"
+                return
+            assert task is not None and answer is not None
+            task.progress_at = self.now
+            assert answer.cancel_requested == task.cancel_requested
+            if answer.cancel_requested:
+                return  # stops before calling out; nothing recorded
+            task.steps[name] = MStep(STEP_STARTED, lease.attempt, False)
+        key = (lease.task_id, ex.generation, name)
+        assert model_step is None or model_step.state != STEP_DONE, "a done step ran again"
+        self.calls[key] = self.calls.get(key, 0) + 1
+        result = json.dumps(f"{name}@{lease.attempt}#{self.calls[key]}")
+        fenced, stored = self.store.step_done(lease, name, result, idempotent=idempotent)
+        if not holds:
+            assert fenced is None, "a stale execution's step result was accepted"
+            return
+        assert task is not None and fenced is not None
+        task.progress_at = self.now
+        before = task.steps.get(name)
+        task.steps[name] = MStep(
+            STEP_DONE, lease.attempt, before.idempotent if before else idempotent, result
+        )
+        assert stored == result
+
+    @precondition(lambda self: self.execs)
+    @rule(e=PICK, stale=st.booleans(), value=st.integers(0, 99))
+    def save_progress(self, e: int, stale: bool, value: int) -> None:
+        index = self._exec(e, stale)
+        answer = self.store.save_progress(self.execs[index].lease, json.dumps(value))
+        if not self._holds(index):
+            assert answer is None, "a stale execution's progress was accepted"
+            return
+        assert answer is not None
+        self.tasks[self.execs[index].lease.task_id].progress_at = self.now
+
+    outcomes = st.sampled_from(("success", "failure", "cancelled", "retry"))
+
+    @precondition(lambda self: self.execs)
+    @rule(
+        e=PICK,
+        stale=st.booleans(),
+        kind=outcomes,
+        batched=st.booleans(),
+        delay=st.sampled_from(RETRY_DELAYS),
+    )
+    def outcome(self, e: int, stale: bool, kind: str, batched: bool, delay: float) -> None:
+        """The execution's own outcome, one by one or through the batch writer."""
+        index = self._exec(e, stale)
+        lease = self.execs[index].lease
+        ok = self._write_outcome(lease, kind, batched, delay)
+        self._expect_outcome(index, kind, delay, ok)
+
+    def _write_outcome(self, lease: Lease, kind: str, batched: bool, delay: float) -> bool:
+        if kind == "retry":
+            if batched:
+                return self.store.retry_many(
+                    [Outcome(lease, State.RETRY_WAIT, "retry", delay=delay)], actor="w"
+                )[0]
+            return self.store.schedule_retry(lease, delay, actor="w", reason="retry", error=None)
+        to = {"success": State.SUCCEEDED, "failure": State.FAILED, "cancelled": State.CANCELLED}
+        if batched:
+            return self.store.finish_many([Outcome(lease, to[kind], kind)], actor="w")[0]
+        return self.store.finish(lease, to[kind], actor="w", reason=kind)
+
+    def _expect_outcome(self, index: int, kind: str, delay: float, ok: bool) -> None:
+        task = self.tasks.get(self.execs[index].lease.task_id)
+        to = {"success": State.SUCCEEDED, "failure": State.FAILED, "cancelled": State.CANCELLED}
+        if kind == "retry":
+            allowed = self._holds(index) and task is not None and task.state is State.RUNNING
+        else:
+            allowed = (
+                self._holds(index)
+                and task is not None
+                and task.state in sources(to[kind], Actor.TASK)
+            )
+        assert ok == allowed, f"outcome {kind} answered {ok}, the model says {allowed}"
+        if not ok:
+            return
+        assert task is not None
+        if kind == "retry":
+            self._audit(task, State.RUNNING, State.RETRY_WAIT)
+            task.retries += 1
+            self._audit(task, State.RETRY_WAIT, State.PENDING)
+            task.eta = self.now + delay
+            task.next_retry_at = None
+            task.published_at = None
+            task.publish_count = 0
+            return
+        self._audit(task, task.state, to[kind])
+        task.finished_at = self.now
+
+    @precondition(lambda self: self.execs)
+    @rule(e=PICK, stale=st.booleans())
+    def give_up(self, e: int, stale: bool) -> None:
+        """The worker saw the execution end without an outcome (its child died)."""
+        index = self._exec(e, stale)
+        lease = self.execs[index].lease
+        expiry = self.store.give_up(lease, actor="w", reason="child lost")
+        task = self.tasks.get(lease.task_id)
+        if not (self._holds(index) and task is not None and task.state is State.RUNNING):
+            assert expiry is None, "a stale execution gave up a lease it did not hold"
+            return
+        assert expiry is not None
+        assert expiry.to_state is self._expire(task)
+
+    # -- the reaper -----------------------------------------------------------------------
+
+    @rule()
+    def reap_expired(self) -> None:
+        expiries = self.store.expire(actor="reaper", reason="lease expired")
+        expected: dict[str, State] = {}
+        for task in self.tasks.values():
+            if task.state is State.RUNNING and self._expired(task):
+                expected[task.id] = self._expire(task)
+        assert {e.task_id: e.to_state for e in expiries} == expected
+
+    @rule()
+    def reap_overrun(self) -> None:
+        moved = self.store.overrun(actor="reaper")
+        expected = set()
+        for task in self.tasks.values():
+            if (
+                task.state is State.RUNNING
+                and task.max_runtime is not None
+                and task.progress_at is not None
+                and task.progress_at + task.max_runtime < self.now
+                and any(w.id == task.owner for w in self.workers)
+                and not self._expired(task)
+            ):
+                expected.add(task.id)
+                self._audit(task, State.RUNNING, State.WAIT_MANUAL)  # the owner keeps its token
+        assert set(moved) == expected
+
+    @rule()
+    def reap_due_retries(self) -> None:
+        taken = self.store.take_due_retries(actor="reaper")
+        expected = set()
+        for task in self.tasks.values():
+            due = task.next_retry_at is not None and task.next_retry_at <= self.now
+            if task.state is State.RETRY_WAIT and due:
+                expected.add(task.id)
+                self._audit(task, State.RETRY_WAIT, State.PENDING)
+                task.published_at = None
+                task.eta = None
+                task.publish_count = 0
+        assert {p.id for p in taken} == expected
+
+    @rule()
+    def reap_republish(self) -> None:
+        """Rows never published, or whose message looks lost: reserved, then published."""
+        taken = self.store.take_unpublished()
+        expected = {t.id for t in self.tasks.values() if self._unpublished(t)}
+        assert {p.id for p in taken} == expected
+        for task_id in expected:
+            task = self.tasks[task_id]
+            task.published_at = None
+            task.updated_at = self.now
+        self.store.mark_published(sorted(expected))
+        for task_id in expected:
+            self._published(self.tasks[task_id])
+
+    @rule()
+    def retention(self) -> None:
+        purged = self.store.purge_expired(TIMINGS["retention"])
+        gone = [
+            t
+            for t in self.tasks.values()
+            if t.state in FINISHED
+            and t.finished_at is not None
+            and t.finished_at < self.now - TIMINGS["retention"]
+        ]
+        assert purged == len(gone)
+        for task in gone:
+            start = max(task.eta if task.eta is not None else self.now, self.now)
+            self.tombstones[task.id] = start + TIMINGS["retention"]
+            del self.tasks[task.id]
+            del self.trails[task.id]
+        dropped = self.store.purge_tombstones()
+        old = [i for i, keep in self.tombstones.items() if keep < self.now]
+        assert dropped == len(old)
+        for task_id in old:
+            del self.tombstones[task_id]
+
+    # -- operators ------------------------------------------------------------------------
+
+    actions = st.sampled_from(("retry", "fail", "resolve", "cancel"))
+
+    @precondition(lambda self: self.tasks)
+    @rule(i=PICK, action=actions)
+    def operator(self, i: int, action: str) -> None:
+        task = self.tasks[self._pick(self._task_ids(), i)]
+        if action == "cancel":
+            self._cancel(task)
+            return
+        to = {"retry": State.PENDING, "fail": State.FAILED, "resolve": State.SUCCEEDED}[action]
+        allowed = task.state in sources(to, Actor.OPERATOR)
+        try:
+            left = self.store.operator_move(task.id, to, actor="op", reason=f"operator {action}")
+        except IllegalTransition:
+            assert not allowed, f"operator {action} refused from {task.state}"
+            return
+        assert allowed, f"operator {action} accepted from {task.state}"
+        assert left is task.state
+        self._audit(task, task.state, to)
+        task.token_exec = None
+        if to is State.PENDING:
+            task.publish_count = 0
+            task.published_at = None
+            task.next_retry_at = None
+            task.finished_at = None
+            task.eta = None
+            task.cancel_requested = False
+            # a person decided: steps whose outcome was unknown run again
+            task.steps = {n: s for n, s in task.steps.items() if s.state == STEP_DONE}
+        else:
+            task.finished_at = self.now
+
+    def _cancel(self, task: MTask) -> None:
+        try:
+            found = self.store.request_cancel(task.id, actor="op", reason="operator cancel")
+        except IllegalTransition:
+            assert task.state in (State.SUCCEEDED, State.CANCELLED), task.state
+            return
+        assert found is task.state
+        if task.state is State.RUNNING:
+            task.cancel_requested = True  # the task stops at its next step boundary
+            return
+        self._audit(task, task.state, State.CANCELLED)
+        task.finished_at = self.now
+        task.token_exec = None
+
+    @rule(i=PICK)
+    def operator_on_a_missing_task(self, i: int) -> None:
+        task_id = f"missing-{i}"
+        try:
+            self.store.operator_move(task_id, State.PENDING, actor="op", reason="retry")
+        except TaskNotFound:
+            return
+        raise AssertionError("an operator moved a task that has no row")
+
+    @rule(name=st.sampled_from(NAMES), pause=st.booleans())
+    def pause(self, name: str, pause: bool) -> None:
+        if pause:
+            assert self.store.pause("task", name, actor="op", reason="p") == (
+                name not in self.paused
+            )
+            self.paused.add(name)
+        else:
+            assert self.store.resume("task", name, actor="op", reason="r") == (name in self.paused)
+            self.paused.discard(name)
+        assert {p.target for p in self.store.pauses()} == self.paused
+
+    @precondition(lambda self: self.tasks)
+    @rule(i=PICK)
+    def hold_for_pause(self, i: int) -> None:
+        """A worker dropped a delivery of a paused task: the row waits for the pause."""
+        task = self.tasks[self._pick(self._task_ids(), i)]
+        assert self.store.hold_for_pause(task.id) == (task.state is State.PENDING)
+        if task.state is State.PENDING:
+            task.published_at = HELD
+
+    # -- what must hold after every rule --------------------------------------------------
+
+    @precondition(lambda self: self.execs)
+    @rule(i=PICK)
+    def probe_leases(self, i: int) -> None:
+        """Ask the store, execution by execution, which of a task's executions holds its
+        lease: at most one, the one the model says."""
+        task_id = self._pick(self.execs, i).lease.task_id
+        live = [
+            n
+            for n, ex in enumerate(self.execs)
+            if ex.lease.task_id == task_id and self.store.check_lease(ex.lease) is not None
+        ]
+        assert len(live) <= 1, f"task {task_id} has {len(live)} live executions"
+        expected = [
+            n for n, ex in enumerate(self.execs) if ex.lease.task_id == task_id and self._holds(n)
+        ]
+        assert live == expected, f"task {task_id}: live {live}, the model says {expected}"
+
+    @invariant()
+    def lease_check_finds_nothing(self) -> None:
+        found = check(self.store, liveness=False)
+        assert found == [], "\n".join(map(str, found))
+
+    @invariant()
+    def database_equals_model(self) -> None:
+        records = {r.id: r for r in self.store.list_tasks(limit=1_000)}
+        assert set(records) == set(self.tasks)
+        for task_id, task in self.tasks.items():
+            r = records[task_id]
+            got = (
+                r.state,
+                r.attempt,
+                r.recoveries,
+                r.retries,
+                r.dedup_key,
+                r.owner,
+                r.cancel_requested_at is not None,
+            )
+            want = (
+                task.state,
+                task.attempt,
+                task.recoveries,
+                task.retries,
+                task.dedup_key,
+                task.owner,
+                task.cancel_requested,
+            )
+            assert got == want, f"{task_id}: database {got}, model {want}"
+        page = self.store.invariant_page(sorted(self.tasks), grace=0.0)
+        tokens = {str(r.id): r.token for r in page.tasks}
+        for task_id, task in self.tasks.items():
+            if task.token_exec is None:
+                assert tokens[task_id] is None, task_id
+            else:
+                assert tokens[task_id] == self.execs[task.token_exec].lease.token, task_id
+        trails: dict[str, list[tuple[State | None, State, int]]] = {}
+        for a in page.audits:
+            frm = State(a.from_state) if a.from_state else None
+            trails.setdefault(str(a.task_id), []).append((frm, State(a.to_state), int(a.attempt)))
+        assert trails == {i: t for i, t in self.trails.items() if i in self.tasks}
+        steps: dict[str, dict[str, tuple[str, int, bool, str | None]]] = {}
+        for s in page.steps:
+            steps.setdefault(str(s.task_id), {})[str(s.name)] = (
+                str(s.state),
+                int(s.attempt),
+                bool(s.idempotent),
+                s.result if s.state == STEP_DONE else None,
+            )
+        want_steps = {
+            task_id: {n: (s.state, s.attempt, s.idempotent, s.result) for n, s in t.steps.items()}
+            for task_id, t in self.tasks.items()
+            if t.steps
+        }
+        assert steps == want_steps
+
+
+def machine_for(
+    database: Database, machine: type[StoreMachine] = StoreMachine
+) -> type[StoreMachine]:
+    """``machine`` bound to ``database`` (a factory for ``run_state_machine_as_test``)."""
+    return type(machine.__name__, (machine,), {"database": database})

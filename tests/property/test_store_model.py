@@ -1,0 +1,170 @@
+"""The store against its reference model (see :mod:`tests.property.store_model`), on a
+SQLite file and on PostgreSQL, within a bounded example budget; and a rule with a
+planted bug (an outcome written without its fence) that the machine must catch.
+
+``CELERY_LEASE_MODEL_PROFILE`` names the Hypothesis profile (default ``model-ci``);
+``scripts/model_check.py`` runs the machine for as long as one asks, with a seed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+from sqlalchemy import insert, select, update
+
+from celery_lease.states import State
+from celery_lease.store import Lease, NewTask, Store
+from celery_lease.store.schema import db_now
+
+from .model_database import Database
+from .store_model import StoreMachine, machine_for
+
+_QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
+
+#: CI's budget: well under a minute per store on two shared cores (docs/reliability.md).
+settings.register_profile(
+    "model-ci",
+    max_examples=20,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=_QUIET,
+)
+#: A longer look, by hand (``scripts/model_check.py`` runs for a given time instead).
+settings.register_profile(
+    "model-long",
+    max_examples=2_000,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=_QUIET,
+)
+PROFILE = os.environ.get("CELERY_LEASE_MODEL_PROFILE", "model-ci")
+
+
+@pytest.fixture
+def database(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Database]:
+    url = str(request.getfixturevalue("pg_url")) if backend == "postgresql" else None
+    db = Database(url, tmp_path)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+@pytest.mark.slow
+def test_the_store_follows_its_model(database: Database) -> None:
+    run_state_machine_as_test(
+        machine_for(database), settings=settings(settings.get_profile(PROFILE))
+    )
+
+
+class UnfencedOutcome(StoreMachine):
+    """The outcome rule with a planted bug: its UPDATE names the task and the states an
+    outcome may leave (RUNNING, or WAIT_MANUAL for a success or failure) but not the
+    execution's attempt and token, and it writes a correct audit row, so the trail
+    alone looks legal. A stale execution's late outcome then overwrites the task."""
+
+    def _write_outcome(self, lease: Lease, kind: str, batched: bool, delay: float) -> bool:
+        if kind == "retry":
+            return super()._write_outcome(lease, kind, batched, delay)
+        to = {"success": State.SUCCEEDED, "failure": State.FAILED, "cancelled": State.CANCELLED}
+        frm = ["RUNNING"] if kind == "cancelled" else ["RUNNING", "WAIT_MANUAL"]
+        t, tr = self.store.t.tasks, self.store.t.transitions
+        with self.store.engine.begin() as conn:
+            row = conn.execute(
+                select(t.c.state, t.c.attempt).where(t.c.id == lease.task_id, t.c.state.in_(frm))
+            ).first()
+            if row is None:
+                return False
+            conn.execute(
+                update(t)
+                .where(t.c.id == lease.task_id, t.c.state == row.state)
+                .values(state=to[kind].value, finished_at=db_now(), updated_at=db_now())
+            )
+            conn.execute(
+                insert(tr).values(
+                    task_id=lease.task_id,
+                    from_state=row.state,
+                    to_state=to[kind].value,
+                    reason=kind,
+                    actor="w",
+                    attempt=row.attempt,
+                    at=db_now(),
+                )
+            )
+        return True
+
+
+SPEC = {
+    "name": "mail",
+    "dedup_key": None,
+    "lease_ttl": 9.5,
+    "max_runtime": None,
+    "max_recoveries": 2,
+    "on_timeout": "retry",
+    "countdown": None,
+}
+
+
+@pytest.mark.violations
+def test_the_model_catches_an_unfenced_outcome(database: Database) -> None:
+    """The machine's own rules, with the planted bug, in the shortest sequence that
+    shows it: the task retries, a second worker claims it, and the first execution's
+    late success is accepted. The rule's answer and the invariants both catch it."""
+    machine = machine_for(database, UnfencedOutcome)()
+    try:
+        machine.submit(SPEC)
+        machine.claim(w=0, i=0, duplicate=False)  # execution 0, on the first worker
+        machine.outcome(e=0, stale=False, kind="retry", batched=False, delay=0.0)
+        machine.claim(w=1, i=0, duplicate=False)  # execution 1, on the second worker
+        machine.database_equals_model()
+        with pytest.raises(
+            AssertionError, match="outcome success answered True, the model says False"
+        ):
+            machine.outcome(e=0, stale=True, kind="success", batched=False, delay=0.0)
+        with pytest.raises(AssertionError, match=r"database .*SUCCEEDED.*, model .*RUNNING"):
+            machine.database_equals_model()
+    finally:
+        machine.teardown()
+
+
+def test_the_same_sequence_passes_with_the_real_rule(database: Database) -> None:
+    """The control: the real outcome rule refuses the stale execution's success."""
+    machine = machine_for(database)()
+    try:
+        machine.submit(SPEC)
+        machine.claim(w=0, i=0, duplicate=False)
+        machine.outcome(e=0, stale=False, kind="retry", batched=False, delay=0.0)
+        machine.claim(w=1, i=0, duplicate=False)
+        machine.outcome(e=0, stale=True, kind="success", batched=False, delay=0.0)
+        machine.database_equals_model()
+        machine.lease_check_finds_nothing()
+    finally:
+        machine.teardown()
+
+
+def test_a_batch_keeps_the_first_of_two_rows_with_one_dedup_key(store: Store) -> None:
+    """What the machine found: on SQLite a batch wrote its rows without a countdown
+    before those with one, so a later row could take an earlier row's dedup key."""
+    rows = [
+        NewTask(
+            id=f"b{n}",
+            name="mail",
+            args="[]",
+            kwargs="{}",
+            options="{}",
+            lease_ttl=9.5,
+            max_recoveries=1,
+            dedup_key="same",
+            countdown=countdown,
+        )
+        for n, countdown in enumerate((5.0, None, 0.0))
+    ]
+    assert store.submit_many(rows) == [("b0", True), ("b0", False), ("b0", False)]
+    record = store.get("b0")
+    assert record is not None and record.eta is not None
+    assert store.get("b1") is None and store.get("b2") is None
