@@ -108,6 +108,16 @@ if os.environ.get("BENCH_COUNT_SQL"):
     def _flush_background(**kwargs):
         _counter.flush_to_redis(_url, _key)
 
+    from sqlalchemy import event as _event
+    from sqlalchemy.engine import Engine as _Engine
+
+    @_event.listens_for(_Engine, "after_cursor_execute")
+    def _flush_agent(*args, **kwargs):
+        # the lease agent ends with os._exit (no signal, no atexit): it reports each
+        # statement as it goes (counting runs only, never timed ones)
+        if threading.current_thread().name == "celery-lease-agent":
+            _counter.flush_to_redis(_url, _key)
+
 if os.environ.get("BENCH_PROFILE"):
     # profile a solo worker from ready until its n-th task is done (no start-up, no idle)
     import cProfile
@@ -306,7 +316,9 @@ def one_round(
             f"{variant.name}: first task done",
         )
         first = done_count(done_dir)
-        own = [worker.pid, *worker.children()]
+        # the pool processes, and the lease agent (a child that is not a pool process)
+        agent = worker.lease_agent()
+        own = [worker.pid, *worker.children(), *([agent] if agent else [])]
         db_pids = pg_backends() if variant.store == "postgresql" else []
         w0, d0, m0, t_w0 = proc_cpu(own), proc_cpu(db_pids), proc_cpu([worker.pid]), time.time()
         wait_for(

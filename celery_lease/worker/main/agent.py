@@ -437,9 +437,9 @@ class _Agent:
     def _due(self) -> bool:
         """Whether to claim now: a pool process waits for a delivery not claimed yet,
         or deliveries in the window have waited to be gathered: ``claim_interval``
-        while fewer claims wait than there are pool processes (one is about to be
-        asked for), ``_GATHER`` once that cushion is there (more claims per
-        statement)."""
+        while fewer claims wait than the pool processes start within twice
+        ``_GATHER`` (at least one round), ``_GATHER`` once that cushion is there
+        (more claims per statement)."""
         if not self.entries or self.inc.flags.fenced:
             self.gather_until = 0.0  # nothing to claim: sleep until a message comes
             return False
@@ -461,7 +461,11 @@ class _Agent:
             return False
         if waiting >= self.batch_size:
             return True
-        wait = self.interval if claimed < self.concurrency else _GATHER
+        # gather longer only while the claims waiting outlast the gathering: at a high
+        # rate of starts the pool processes would otherwise ask for deliveries not
+        # claimed yet, and wait for their claims
+        cushion = self.concurrency + int(len(self.starts) / _RATE_SPAN * _GATHER * 2)
+        wait = self.interval if claimed < cushion else _GATHER
         self.gather_until = oldest + wait
         return time.monotonic() >= self.gather_until
 
