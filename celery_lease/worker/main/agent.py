@@ -494,6 +494,12 @@ class _Agent:
             else:
                 tokens[uuid.uuid4().hex] = entry
         claims: dict[str, Claim] = {}
+        if tokens and self.inc.flags.fenced:
+            # fenced since the batch was chosen: claim nothing (the pool processes
+            # publish their deliveries again, due after the heartbeat recovers)
+            for entry in tokens.values():
+                entry.status = QUEUED
+            return
         if tokens:
             try:
                 claims = self.store.claim_many(
