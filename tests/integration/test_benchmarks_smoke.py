@@ -94,10 +94,11 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
         sections
     )
     # every task of the capacity backlog ran, and the store's database did work for it
+    # (claims and outcomes are batched: fewer commits than tasks while it drains)
     for drained in sections["capacity"]["rounds"]:
         assert drained["rate"] > 0
         if drained["variant"].startswith("LeasedTask"):
-            assert drained["commits_per_task"] >= 1 and drained["wal_per_task"] > 0
+            assert drained["commits_per_task"] > 0 and drained["wal_per_task"] > 0
     # the correctness checks the benchmarks make hold even at tiny N
     for dedup in sections["contention"]["dedup"]:
         assert dedup["rows"] == dedup["keys"] == dedup["executions"] == dedup["messages"]
