@@ -15,7 +15,8 @@ completion to its last, of each process that does the work:
 
 - **main**: the worker's main process (Celery's consumer and event loop; celery-lease's
   outcome writer, heartbeat and reaper threads; with threads 8, the tasks too);
-- **pool**: its pool processes (prefork's children; none with threads);
+- **pool**: its pool processes (prefork's children; none with threads) and the
+  worker's lease agent (the child process that makes the batched claims);
 - **PostgreSQL**: the server backends of the benchmark's connections
   (:func:`_common.pg_backends`, read at both ends of the window); none for plain Celery
   and the SQLite store. A connection opened and closed inside the window (an overflow

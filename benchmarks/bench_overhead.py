@@ -80,15 +80,15 @@ if os.environ.get("BENCH_COUNT_SQL"):
     _MAIN_PID = os.getpid()  # pool children are forked later: their pid differs
 
     def _role():
+        name = threading.current_thread().name
+        if name == "celery-lease-agent":
+            return "claims"  # the lease agent (a process of its own): batched claims
         if os.getpid() != _MAIN_PID:
             return "task"  # a prefork pool process: claims and outcomes
-        name = threading.current_thread().name
         if name in ("celery-lease-heartbeat", "celery-lease-reaper"):
             return "background"
         if name == "celery-lease-outcomes":
             return "outcomes"  # the outcome writer: lifecycle writes, batched
-        if name == "celery-lease-claimer":
-            return "claims"  # claims made ahead: lifecycle writes, batched
         return "main"  # start-up and shutdown of the worker's main process
 
     _counter = SqlCounter(role=_role).attach()
@@ -111,6 +111,16 @@ if os.environ.get("BENCH_COUNT_SQL"):
     @signals.worker_shutdown.connect
     def _flush_background(**kwargs):
         _counter.flush_to_redis(_url, _key)
+
+    from sqlalchemy import event as _event
+    from sqlalchemy.engine import Engine as _Engine
+
+    @_event.listens_for(_Engine, "after_cursor_execute")
+    def _flush_agent(*args, **kwargs):
+        # the lease agent ends with os._exit (no signal, no atexit): it reports each
+        # statement as it goes (counting runs only, never timed ones)
+        if threading.current_thread().name == "celery-lease-agent":
+            _counter.flush_to_redis(_url, _key)
 
 if os.environ.get("BENCH_PROFILE"):
     # profile a solo worker from ready until its n-th task is done (no start-up, no idle)
@@ -151,8 +161,6 @@ class Variant:
     store: str | None = None
     #: ``lease_outcome_write_through``: each pool process writes its own outcomes
     write_through: bool = False
-    #: ``lease_claim_ahead``: the worker's main process claims deliveries in batches
-    claim_ahead: bool = False
 
     @property
     def label(self) -> str:
@@ -164,10 +172,6 @@ LEASED_PG = Variant("LeasedTask, PostgreSQL", True, "postgresql")
 LEASED_SQLITE = Variant("LeasedTask, SQLite", True, "sqlite")
 #: Outcomes as before the outcome writer: one commit per task in the pool process.
 LEASED_PG_WT = Variant("LeasedTask, PostgreSQL, write-through", True, "postgresql", True)
-#: Claims made ahead, in batches, by the worker's main process.
-LEASED_PG_AHEAD = Variant(
-    "LeasedTask, PostgreSQL, claims ahead", True, "postgresql", claim_ahead=True
-)
 
 
 @dataclasses.dataclass
@@ -224,8 +228,6 @@ class Env:
                 out["lease_schema"] = self.schema
             if variant.write_through:
                 out["lease_outcome_write_through"] = True
-            if variant.claim_ahead:
-                out["lease_claim_ahead"] = True
         return out
 
     def project(self, variant: Variant, broker: str) -> tuple[Project, Any]:
@@ -341,7 +343,10 @@ def one_round(
             f"{variant.name}: first task done",
         )
         first = done_count(done_dir)
-        pool_pids = worker.children()
+        # the pool processes with the lease agent (a child that is not a pool process):
+        # the per-task work besides the main process's
+        agent = worker.lease_agent()
+        pool_pids = [*worker.children(), *([agent] if agent else [])]
         own = [worker.pid, *pool_pids]
         db_pids = pg_backends() if variant.store == "postgresql" else []
         wal0, q0 = pg_wal_position(), proc_cpu_each(mq_pids)
@@ -605,8 +610,6 @@ def run(ctx: Context) -> Section:
                 for pool in pools:
                     rounds = rounds_n if broker == "redis" else ctx.scale(2, 1)
                     variants = [*main, LEASED_PG_WT] if broker == "redis" else main
-                    if pool == "prefork":
-                        variants = [*variants, LEASED_PG_AHEAD]  # claims ahead: prefork only
                     if ctx.quick:
                         # the smoke run covers each code path once: every variant on
                         # Redis with prefork, then the leased ones on the other pool and
@@ -616,7 +619,7 @@ def run(ctx: Context) -> Section:
                         if (broker, pool) == ("redis", "threads"):
                             variants = [LEASED_PG, LEASED_PG_WT]
                         elif broker == "rabbitmq":
-                            variants = [LEASED_PG, LEASED_PG_AHEAD]
+                            variants = [LEASED_PG]
                     groups.append(("noop", broker, pool, "noop", n_noop, rounds, variants))
             for broker in brokers:
                 for pool in pools:
@@ -639,7 +642,7 @@ def run(ctx: Context) -> Section:
             # 2. statements per lifecycle
             n_count = ctx.scale(300, 20)
             counts = {}
-            for variant in (LEASED_PG, LEASED_PG_WT, LEASED_PG_AHEAD, LEASED_SQLITE):
+            for variant in (LEASED_PG, LEASED_PG_WT, LEASED_SQLITE):
                 ctx.log(f"overhead: counting statements, {variant.name}")
                 counts[variant.name] = count_lifecycle(env, variant, n_count)
             wire = {"PostgreSQL": wire_lifecycle(ctx, schema, ctx.scale(200, 5))}
@@ -799,11 +802,11 @@ def report(
         "cursor event sees them). The producer's statements include the bulk "
         "`mark_published` flushes of its background thread: a steady stream of submits "
         "carries each earlier row's mark inside the next submit statement. The worker's "
-        "side is the pool processes' claims and the outcome writer's batches (in the "
-        "worker's main process); the write-through variant writes each outcome in its "
-        "pool process (`lease_outcome_write_through`); with claims ahead "
-        "(`lease_claim_ahead`) the worker's side also holds the main process's batched "
-        "claims.",
+        "side is the lease agent's batched claims (a process of its own), the claims "
+        "pool processes still make for themselves (deliveries the agent did not claim) "
+        "and the outcome writer's batches (in the worker's main process); the "
+        "write-through variant writes each outcome in its pool process "
+        "(`lease_outcome_write_through`).",
         "",
     )
     crow = []

@@ -256,9 +256,6 @@ class LeaseConfig:
     #: A ``group(...).apply_async()`` (a chord's header too) with leased members writes
     #: their rows in multi-row statements, as inside ``celery_lease.bulk()``.
     batch_groups: bool = True
-    #: A prefork worker's main process claims the deliveries it takes from the broker
-    #: together in one statement, before the pool runs them (``celery_lease.worker.main.claimer``).
-    claim_ahead: bool = False
     #: The broker this app publishes to (``lease_origin``; default: its ``broker_url``
     #: without the password, ``None``: not known). Every row and worker row records it,
     #: and a reaper publishes only the rows of its own broker, so apps on different
@@ -438,7 +435,6 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_result_backend_sync": ("result_backend_sync", bool),
     "lease_outcome_write_through": ("outcome_write_through", bool),
     "lease_batch_groups": ("batch_groups", bool),
-    "lease_claim_ahead": ("claim_ahead", bool),
     "lease_catchup": ("catchup", str),
     "lease_catchup_window": ("catchup_window", float),
     "lease_catchup_max": ("catchup_max", int),
@@ -508,6 +504,10 @@ DEPRECATED: dict[str, str] = {
     "lease_claim_batch_size": "a constant (100 deliveries per claim)",
     "lease_claim_interval": "a constant (0.005 s)",
     "lease_claim_ahead_window": "a constant (1 s)",
+    "lease_claim_ahead": (
+        "always on, on every pool: each worker's lease agent claims its deliveries in "
+        "batches (a process of its own, not the worker's main process)"
+    ),
     "lease_db_retries": "a constant (3 retries, within lease_db_timeout)",
     "lease_db_connect_timeout": "derived from lease_db_timeout (half of it)",
     "lease_sqlite_busy_timeout": "derived from lease_db_timeout (three times it)",

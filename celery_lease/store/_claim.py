@@ -1,17 +1,17 @@
-"""Execution's start and progress: the claim (PENDING -> RUNNING with the next attempt
-and a fresh token, or the adoption of a message that has no row), claims in batches,
-and the fenced writes of a running task (steps, progress, lease checks).
+"""Execution's start and progress: the claim (PENDING -> RUNNING with the next attempt and
+a fresh token, or the adoption of a message that has no row), claims in batches, and the
+fenced writes of a running task (steps, progress, lease checks).
 
-Claims in batches are the deliveries a worker took from the broker together, claimed
-in one statement by its main process (``lease_claim_ahead``, see
-:mod:`celery_lease.worker.main.claimer`). Only the common case is batched: a PENDING row that is
-due, whose task retries by itself on a lost lease (``on_timeout = 'retry'``) and has
-no ``max_runtime`` (a row claimed ahead waits for a free pool process, and that wait
-must not count against a runtime limit). A delivery the batch does not claim (no row,
-not due, a copy of a running task, a paused or manual task, or a race) is claimed by
-its pool process exactly as without batching, which adopts it, drops it or publishes
-it again. On PostgreSQL the batch is one ``UPDATE ... FROM unnest(...)`` with the audit
-rows inserted by a data-modifying CTE over the updated rows; on SQLite one transaction.
+Claims in batches are the deliveries a worker took from the broker together, claimed in
+one statement by its lease agent (see :mod:`celery_lease.worker.main.agent`). Only the
+common case is batched: a PENDING row that is due, whose task retries by itself on a
+lost lease (``on_timeout = 'retry'``) and has no ``max_runtime`` (a row claimed ahead
+waits for a free pool process, and that wait must not count against a runtime limit). A
+delivery the batch does not claim (no row, not due, a copy of a running task, a paused
+or manual task, or a race) is claimed by its pool process exactly as without batching,
+which adopts it, drops it or publishes it again. On PostgreSQL the batch is one ``UPDATE
+... FROM unnest(...)`` with the audit rows inserted by a data-modifying CTE over the
+updated rows; on SQLite one transaction.
 """
 
 from __future__ import annotations

@@ -68,6 +68,19 @@ def child_pids(pid: int) -> list[int]:
     return sorted(p for p in found if pid_alive(p))
 
 
+#: The process name (``/proc/PID/comm``) of a worker's lease agent
+#: (``celery_lease.worker.main.agent``): a child of the worker's main process that is
+#: not a pool process.
+LEASE_AGENT_NAME = "lease-agent"
+
+
+def _is_lease_agent(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == LEASE_AGENT_NAME
+    except OSError:
+        return False
+
+
 def group_pids(pgid: int) -> list[int]:
     """Live (non-zombie) processes of process group ``pgid``."""
     out = []
@@ -264,8 +277,13 @@ class WorkerProcess:
             os.killpg(self.proc.pid, sig)
 
     def children(self) -> list[int]:
-        """Live pool process pids of the main process."""
-        return child_pids(self.require_pid())
+        """Live pool process pids of the main process (its lease agent left out)."""
+        return [p for p in child_pids(self.require_pid()) if not _is_lease_agent(p)]
+
+    def lease_agent(self) -> int | None:
+        """The pid of the worker's lease agent (``None``: it has none, or it is gone)."""
+        found = [p for p in child_pids(self.require_pid()) if _is_lease_agent(p)]
+        return found[0] if found else None
 
     def wait_children(self, count: int, timeout: float = 15.0) -> list[int]:
         """Wait until the main process has at least ``count`` live children; return them."""

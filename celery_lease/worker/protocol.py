@@ -4,10 +4,12 @@ The one module both sides import; neither side imports the other. Besides the
 incarnation and its shared flags (:mod:`celery_lease._incarnation`, inherited at the
 fork), there are two hand-offs:
 
-- **A claim made ahead**, main process to pool process: the main process claims a
-  reserved delivery (``lease_claim_ahead``) and puts the claim in the request it
-  hands to the pool (:data:`CLAIM_KEY`, written by :func:`claim_header`); the pool
-  process takes it off the request (:func:`claimed_ahead`) and runs under it.
+- **A claim**, lease agent to pool process: the worker's lease agent
+  (:mod:`celery_lease.worker.main.agent`, a process of its own) claims the
+  deliveries the main process reserved; a pool process asks it for its delivery's
+  claim as the task starts (:func:`ask_claim`, over a sequenced-packet Unix socket
+  in Linux's abstract namespace, :func:`agent_address`) and runs under the answer,
+  or claims for itself when the answer is "not claimed".
 - **An outcome**, pool process to main process: one datagram on a Unix socket pair
   made before the pool forks (:class:`OutcomeChannel`), so every child inherits the
   sending end. A datagram is queued whole or not at all (a child killed mid-send
@@ -19,12 +21,14 @@ fork), there are two hand-offs:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
+import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from celery import Celery
 
@@ -35,43 +39,113 @@ from ..store import Claim, Lease, Outcome
 
 logger = logging.getLogger("celery_lease")
 
-# -- a claim made ahead: main process -> pool process ---------------------------------
+# -- a claim: the lease agent -> pool process ----------------------------------------
 
-#: The request key that carries a claim made ahead to the pool process.
-CLAIM_KEY = "lease_claim"
-
-
-def claim_header(claim: Claim, inc: Incarnation) -> dict[str, Any]:
-    """A claim as the request carries it to the pool process."""
-    return {
-        "owner": inc.id,
-        "task_id": claim.lease.task_id,
-        "attempt": claim.lease.attempt,
-        "token": claim.lease.token,
-        "retries": claim.retries,
-        "recoveries": claim.recoveries,
-        "resumed": claim.resumed,
-        "cancel_requested": claim.cancel_requested,
-    }
+#: The lease agent's address for each app's worker (inherited by its pool children).
+_agents: AppRegistry[bytes] = AppRegistry()
+#: This process's (this thread's) connection to the agent: (pid, address, socket).
+_agent_conn = threading.local()
 
 
-def claimed_ahead(request: Any, inc: Incarnation, task_id: str, enabled: bool) -> Claim | None:
-    """The claim the main process made ahead for this delivery (``None``: the pool
-    process claims it). Taken off the request, so that nothing Celery builds from the
-    request (a retry's message) carries it; only ever trusted from a worker that claims
-    ahead (``enabled``), whose main process removes any such key a message brings."""
-    found = vars(request).pop(CLAIM_KEY, None)
-    if not enabled or not isinstance(found, dict):
+def agent_address(inc: Incarnation) -> bytes:
+    """The lease agent's socket: in Linux's abstract namespace (no file to clean up),
+    named by the incarnation."""
+    return b"\0celery-lease-agent-" + inc.id.encode()
+
+
+def use_agent(app: Celery, address: bytes | None) -> None:
+    """Send this worker's pool processes to the agent at ``address`` for their claims
+    (``None``: there is none, or it is gone: each claims for itself)."""
+    if address is None:
+        if _agents.get(app) is not None:
+            del _agents[app]
+    else:
+        _agents[app] = address
+
+
+def encode_claim(claim: Claim | None) -> bytes:
+    """The agent's answer to an ask: the claim, or ``N`` (claim it yourself)."""
+    if claim is None:
+        return b"N"
+    lease = claim.lease
+    return "\x1f".join(
+        (
+            "C",
+            lease.task_id,
+            str(lease.attempt),
+            lease.token,
+            str(claim.retries),
+            str(claim.recoveries),
+            "1" if claim.resumed else "0",
+            "1" if claim.cancel_requested else "0",
+        )
+    ).encode()
+
+
+def decode_claim(data: bytes, task_id: str) -> Claim | None:
+    fields = data.decode().split("\x1f")
+    if fields[0] != "C" or fields[1] != task_id:
         return None
-    if found.get("owner") != inc.id or found.get("task_id") != task_id:
-        return None  # not this worker's claim for this delivery: claim it here
     return Claim(
-        lease=Lease(task_id, int(found["attempt"]), str(found["token"])),
-        retries=int(found["retries"]),
-        recoveries=int(found["recoveries"]),
-        resumed=bool(found["resumed"]),
-        cancel_requested=bool(found["cancel_requested"]),
+        lease=Lease(task_id, int(fields[2]), fields[3]),
+        retries=int(fields[4]),
+        recoveries=int(fields[5]),
+        resumed=fields[6] == "1",
+        cancel_requested=fields[7] == "1",
     )
+
+
+def _connection(address: bytes) -> socket.socket | None:
+    conn = getattr(_agent_conn, "value", None)
+    if conn is not None and conn[0] == os.getpid() and conn[1] == address:
+        return cast(socket.socket, conn[2])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(address)
+    except OSError:
+        sock.close()
+        return None
+    _agent_conn.value = (os.getpid(), address, sock)
+    return sock
+
+
+def _drop_connection() -> None:
+    conn = getattr(_agent_conn, "value", None)
+    _agent_conn.value = None
+    if conn is not None and conn[0] == os.getpid():
+        with contextlib.suppress(OSError):
+            conn[2].close()
+
+
+def ask_claim(app: Celery, task_id: str, timeout: float) -> Claim | None:
+    """Ask the worker's lease agent for the claim of ``task_id`` (a pool process, as
+    the task starts, before any of its code runs): the claim it made ahead, or one it
+    makes now with the other asks of the moment. ``None``: the caller claims for
+    itself (no agent, the agent did not claim it, or did not answer in ``timeout``
+    seconds; then it is told to give back a claim it makes later)."""
+    address = _agents.get(app)
+    if address is None:
+        return None
+    sock = _connection(address)
+    if sock is None:
+        return None
+    try:
+        sock.settimeout(timeout)
+        sock.send(b"A\x1f" + task_id.encode())
+        data = sock.recv(512)
+    except TimeoutError:
+        with contextlib.suppress(OSError):
+            sock.send(b"X\x1f" + task_id.encode())
+        _drop_connection()  # a late answer must not be read as the next one's
+        logger.warning("task %s: the lease agent did not answer: claimed here", task_id)
+        return None
+    except OSError:
+        _drop_connection()
+        return None
+    if not data:
+        _drop_connection()
+        return None
+    return decode_claim(data, task_id)
 
 
 # -- an outcome: pool process -> main process -----------------------------------------
@@ -208,11 +282,13 @@ def hand_over(
 
 
 __all__ = [
-    "CLAIM_KEY",
     "HANDED_OVER",
     "MAX_HAND_OVER",
     "OutcomeChannel",
-    "claim_header",
-    "claimed_ahead",
+    "agent_address",
+    "ask_claim",
+    "decode_claim",
+    "encode_claim",
     "hand_over",
+    "use_agent",
 ]

@@ -1,11 +1,11 @@
-"""Claims made ahead, in batches, by a prefork worker's main process
-(``lease_claim_ahead``), with real workers and real kills.
+"""Claims made ahead, in batches, by a worker's lease agent (the default, every pool), with
+real workers and real kills.
 
-The deliveries a worker has reserved and starts next are claimed in one statement
-before a pool process is free for them; each pool process runs its task under the
-claim it was handed. The tests hold the pool's processes busy at gates, so that the
-deliveries behind them wait in the worker, and check what the store records. The
-crash rows that a claim made ahead touches: a pool child killed while it runs a task
+The deliveries a worker has reserved and starts next are claimed in one statement before
+a pool process is free for them; each pool process asks the agent for its claim as its
+task starts and runs under it. The tests hold the pool's processes busy at gates, so
+that the deliveries behind them wait in the worker, and check what the store records.
+The crash rows that a claim made ahead touches: a pool child killed while it runs a task
 claimed ahead (row 3), the whole worker killed with deliveries claimed ahead that no
 pool process has started yet (row 9), and a delivery claimed ahead that Celery drops
 before it runs (its ``expires`` passed while it waited).
@@ -36,10 +36,9 @@ BOTH = pytest.mark.parametrize(
 
 
 def _project(lease_env: LeaseEnv, broker_url: str, **overrides):
-    """Claims ahead on, with Celery's own prefetch (several deliveries per process)."""
+    """Celery's own prefetch (several deliveries per process)."""
     return lease_env.project(
         broker_url=broker_url,
-        claim_ahead=True,
         settings={"worker_prefetch_multiplier": 4},
         **overrides,
     )

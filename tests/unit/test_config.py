@@ -50,7 +50,6 @@ DEFAULTS = {
     "result_backend_sync": True,
     "outcome_write_through": False,
     "batch_groups": True,
-    "claim_ahead": False,
     "origin": None,
     "catchup": "latest",
     "catchup_window": 86400.0,

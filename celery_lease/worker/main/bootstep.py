@@ -1,9 +1,10 @@
 """The worker bootstep and the worker signals celery-lease answers.
 
-The bootstep starts the worker's service (:mod:`.service`) before the pool forks, and
-its threads, the claimer and the pause watcher once the worker starts; a cold
-shutdown, and Celery's ``worker_shutdown`` after a warm one, stop it. An in-process
-worker whose bootstep never ran starts the service on its first delivery.
+The bootstep starts the worker's service (:mod:`.service`) and forks its lease agent
+(:mod:`.agent`) before the pool forks, and starts the service's threads and the pause
+watcher once the worker starts; a cold shutdown, and Celery's ``worker_shutdown`` after
+a warm one, stop it. An in-process worker whose bootstep never ran starts the service on
+its first delivery.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from celery import Celery, bootsteps, signals
 
 from ..._runtime import BEAT_ENTRY, Incarnation, Runtime, install, runtime
 from ...exceptions import CeleryLeaseError
-from . import claimer as _claimer
+from . import agent as _agent
 from . import stores as _stores  # noqa: F401  (registers the lease_store remote-control command)
 from .pause_watcher import consumer_controls, watch_paused_queues
 from .service import WorkerService, services, start_service
@@ -61,12 +62,25 @@ class LeaseStep(bootsteps.StartStopStep):
             logger.critical("celery-lease: worker %s cannot start: %s", worker.hostname, error)
             raise SystemExit(78) from error  # EX_CONFIG
         self.service = services[worker.app] = service
+        # forked before the pool: the pool processes inherit its address
+        try:
+            service.agent = _agent.LeaseAgent(
+                service.rt, service.incarnation, worker.concurrency or 1
+            )
+        except OSError as error:
+            logger.warning(
+                "celery-lease: worker %s: no lease agent (%s): each pool process claims "
+                "its deliveries itself",
+                worker.hostname,
+                error,
+            )
         self.watcher = watch_paused_queues(runtime(worker.app), worker)
 
     def start(self, worker: Any) -> None:
         self.service.start()
         inc = self.service.incarnation
-        self.service.claimer = _claimer.start_for(worker, self.service.rt, inc)
+        if self.service.agent is not None:
+            _agent.start_for(worker, self.service.agent)
         self.watcher.start(*consumer_controls(worker), fenced=lambda: inc.flags.fenced)
 
     def stop(self, worker: Any) -> None:
@@ -116,8 +130,8 @@ def _on_task_revoked(
     else:
         reason = "revoked before it ran"
     service.revoked(request.id, reason)
-    if service.claimer is not None:
-        service.claimer.dropped(request.id, reason)  # after the cancel request: same queue
+    if service.agent is not None:
+        service.agent.dropped(request.id, reason)
 
 
 __all__ = ["BEAT_ENTRY", "LeaseStep", "WorkerService", "install", "start_in_process"]

@@ -1,11 +1,12 @@
 """The worker's service in its main process: the incarnation, and a thread of its own.
 
-The main process owns the incarnation row and renews it (the heartbeat's thread),
-writes the outcomes pool processes hand over (the outcome writer's thread), and runs
-the service's thread: the events the worker's own threads send it (a pool child
-lost, a delivery revoked), a backstop for pool children whose death the pool never
-reported, and the embedded reaper (behind a database lock). Started by the bootstep
-(:mod:`.bootstep`), with retries while the database cannot be reached yet.
+The main process owns the incarnation row and renews it (the heartbeat's thread), forks
+the lease agent that claims (:mod:`.agent`), writes the outcomes pool processes hand
+over (the outcome writer's thread), and runs the service's thread: the events the
+worker's own threads send it (a pool child lost, a delivery revoked), a backstop for
+pool children whose death the pool never reported, and the embedded reaper (behind a
+database lock). Started by the bootstep (:mod:`.bootstep`), with retries while the
+database cannot be reached yet.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ...exceptions import ConfigurationError, StoreError, StoreUnavailable
 from ...producer import publisher as _publisher
 from ...reaper import Reaper
 from ...store import Store
-from . import claimer as _claimer
+from .agent import LeaseAgent
 from .heartbeat import Heartbeat, renewal_config
 from .node_names import dead_predecessors, pid_gone
 from .outcome_writer import OutcomeWriter, writer_config
@@ -85,8 +86,8 @@ class WorkerService:
             else OutcomeWriter(rt.app, store, inc.actor, **writer_config(cfg))
         )
         self.reaper = Reaper(rt.app, actor=f"reaper:{nodename}", store=store)
-        #: Claims ahead in batches (``lease_claim_ahead``), started with the worker.
-        self.claimer: _claimer.Claimer | None = None
+        #: The lease agent (claims in batches), forked by the bootstep before the pool.
+        self.agent: LeaseAgent | None = None
         self._events: queue.Queue[Event] = queue.Queue()
         #: Times the worker recovered from a self-fence (each expired all it held).
         self._fence_recoveries = 0
@@ -266,6 +267,8 @@ class WorkerService:
                 if time.monotonic() >= next_watch:
                     next_watch = time.monotonic() + watch_interval
                     self._watch_children()
+                    if self.agent is not None and self.agent.check():
+                        self.agent.report_held()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + cfg.reaper_interval
                     if cfg.embedded_reaper and self.store.try_lock(
@@ -293,8 +296,8 @@ class WorkerService:
     def shutdown(self, reason: str) -> None:
         """Claim no more, write the buffered outcomes, then mark the incarnation
         stopped; leases it still holds expire at once."""
-        if self.claimer is not None:
-            self.claimer.stop()
+        if self.agent is not None:
+            self.agent.stop()
         if self.outcomes is not None:
             self.outcomes.close()
         self._stopping.set()

@@ -35,7 +35,7 @@ from ...store import (
     Store,
     dumps,
 )
-from ..protocol import claimed_ahead, hand_over
+from ..protocol import ask_claim, hand_over
 from .execution import Execution, StoreDownDuringTask, encode
 
 logger = logging.getLogger("celery_lease")
@@ -83,8 +83,7 @@ class _Delivery:
         self.attempt: int | None = None
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        ahead = claimed_ahead(self.req, self.inc, self.task_id, self.rt.config.claim_ahead)
-        claim = ahead or self._claim(args, kwargs)
+        claim = self._asked() or self._claim(args, kwargs)
         self.attempt = claim.lease.attempt
         inc = self.inc
         execution = Execution(
@@ -100,8 +99,19 @@ class _Delivery:
         finally:
             current.reset(token)
 
+    def _asked(self) -> Claim | None:
+        """The claim the worker's lease agent made for this delivery, ahead or now
+        (``None``: this process claims it). Tasks with ``max_runtime`` or a manual
+        ``on_timeout`` are never claimed ahead: claimed here, at their start."""
+        options = self.options
+        if options.max_runtime is not None or options.on_timeout != "retry":
+            return None
+        if self.inc.flags.fenced:
+            return None
+        return ask_claim(self.task.app, self.task_id, self.rt.config.db_timeout * 3)
+
     def _claim(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Claim:
-        """This process's own claim of the delivery (the main process made none ahead);
+        """This process's own claim of the delivery (the lease agent made none);
         raises :class:`Ignore` when the delivery is dropped without running."""
         task, req, store, inc = self.task, self.req, self.store, self.inc
         # The heartbeat lapsed for a TTL and has not been renewed since: a lease claimed
