@@ -282,6 +282,50 @@ class Claims(StoreBase):
             for r in rows
         }
 
+    def unclaim(self, lease: Lease, owner: str, actor: str, reason: str) -> bool:
+        """Give back a claim made ahead whose delivery never reached a pool process
+        (none of the task's code ran): its lease ends (RUNNING -> TIMEOUT) and the row
+        is retried at once (TIMEOUT -> RETRY_WAIT, due now: the reaper publishes it
+        again) with no recovery counted, so that ``max_recoveries`` is spent on lost
+        runs only (the attempt, a count of claims that never goes back, keeps the
+        one the claim added). Fenced by
+        owner, attempt and token; a row whose cancel was requested is left RUNNING
+        (the lease's expiry decides it). ``False``: nothing changed."""
+        t = self.t.tasks
+        where = [
+            t.c.id == lease.task_id,
+            t.c.owner == owner,
+            t.c.attempt == lease.attempt,
+            t.c.token == lease.token,
+            t.c.cancel_requested_at.is_(None),
+        ]
+        why = f"{reason} (none of its code ran: no recovery counted)"
+
+        def op(conn: Connection, _: bool) -> bool:
+            ended = self._move(
+                conn,
+                where,
+                State.RUNNING,
+                State.TIMEOUT,
+                reason=why,
+                actor=actor,
+                values={"token": None},
+            )
+            if not ended:
+                return False
+            self._move(
+                conn,
+                [t.c.id == lease.task_id],
+                State.TIMEOUT,
+                State.RETRY_WAIT,
+                reason=f"retried at once: {reason}",
+                actor=actor,
+                values={"next_retry_at": db_now()},
+            )
+            return True
+
+        return self._tx(op)
+
     def _claim_ahead_spec(self) -> tuple[list[Any], dict[str, Any], tuple[Any, ...]]:
         """Where, values and returning of one claim made ahead (bind parameters
         ``b_task_id``, ``b_token``, ``b_owner``): the claim's, for eligible rows only."""

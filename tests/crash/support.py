@@ -190,6 +190,18 @@ def transitions(trail: list[TransitionRecord]) -> list[tuple[str | None, str]]:
 
 #: The audit trail of a task that ran once and succeeded.
 CLEAN_RUN = [(None, "PENDING"), ("PENDING", "RUNNING"), ("RUNNING", "SUCCEEDED")]
+#: A run whose first claim, made ahead by the lease agent, was given back before any of
+#: its code ran (its delivery dropped by the worker: a lost broker connection, a stop),
+#: retried at once with no recovery counted, then claimed and run.
+GIVEN_BACK = [
+    (None, "PENDING"),
+    ("PENDING", "RUNNING"),
+    ("RUNNING", "TIMEOUT"),
+    ("TIMEOUT", "RETRY_WAIT"),
+    ("RETRY_WAIT", "PENDING"),
+    ("PENDING", "RUNNING"),
+    ("RUNNING", "SUCCEEDED"),
+]
 
 
 class LeasedProject:

@@ -23,7 +23,7 @@ from celery_lease import State
 from celery_lease.config import TUNING_ENV
 from celery_lease.testing import wait_until
 
-from .support import CLEAN_RUN, RECOVERED, LeaseEnv, released
+from .support import CLEAN_RUN, GIVEN_BACK, RECOVERED, LeaseEnv, released
 
 BOTH = pytest.mark.parametrize(
     ("broker_url", "backend"),
@@ -200,3 +200,39 @@ def test_a_delivery_claimed_ahead_that_expires_before_it_runs_is_cancelled(
     (expiry,) = [r for r in p.store.history(task_id) if r.to_state is State.TIMEOUT]
     assert expiry.reason is not None and "expired before it ran" in expiry.reason, expiry
     assert rec.reason is not None
+
+
+@BOTH
+def test_a_warm_shutdown_gives_back_the_claims_made_ahead(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    # a worker stopped (a deploy) with deliveries claimed ahead that no pool process
+    # started: they are retried at once, no recovery counted (the stopping worker's
+    # last sweep publishes them again), and the next worker runs each once
+    p = _project(lease_env, broker_url)
+    worker = p.worker("node", concurrency=1)
+    gate = p.gates.hold("g0")
+    with released(p.gates, gate):
+        (busy,) = _busy(p, [gate])
+        waiting = [p.submit("t.add", i, 1) for i in range(2)]
+        _claimed_ahead(p, waiting[0])
+        worker.signal_main(signal.SIGTERM)  # warm: the running task finishes first
+        worker.wait_log(r"worker: Warm shutdown", 30)
+    worker.proc.wait(60)  # type: ignore[union-attr]
+    assert p.wait_state(busy, State.SUCCEEDED).attempt == 1
+    # a warm shutdown starts none of the deliveries waiting (Celery leaves them to the
+    # broker): the one claimed ahead was given back, the other never claimed
+    first = p.get(waiting[0])
+    assert first.state in (State.RETRY_WAIT, State.PENDING), first
+    assert first.attempt == 1 and first.recoveries == 0, first
+    assert p.get(waiting[1]).attempt == 0
+    p.worker("next", concurrency=1)
+    for i, task_id in enumerate(waiting):
+        rec = p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+        assert rec.result == i + 1 and rec.recoveries == 0, rec
+        assert p.trail(task_id) == [GIVEN_BACK, CLEAN_RUN][i], p.trail(task_id)
+        assert rec.attempt == [2, 1][i], rec
+    back = p.store.history(waiting[0])[2]
+    assert back.reason is not None and "worker stopped before it started" in back.reason
+    assert "no recovery counted" in back.reason
+    assert p.external.count("add") == 2

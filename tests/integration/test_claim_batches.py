@@ -107,3 +107,39 @@ def test_a_batch_is_one_statement_on_postgresql_and_one_transaction_on_sqlite(st
         assert seen.statements == ["WITH"]  # autocommit: the statement is its transaction
     else:
         assert seen.commits == 1
+
+
+def test_a_claim_given_back_is_retried_at_once_with_no_recovery_counted(store):
+    owner = register(store)
+    task_id = submit(store)
+    token = _token()
+    lease = store.claim_many([(task_id, token)], owner, "worker:w1@host")[token].lease
+    # fenced: another token, another owner or another attempt gives nothing back
+    for wrong in (
+        dataclasses.replace(lease, token=_token()),
+        dataclasses.replace(lease, attempt=2),
+    ):
+        assert not store.unclaim(wrong, owner, "worker:w1@host", "given back")
+    assert not store.unclaim(lease, register(store), "worker:w2@host", "given back")
+    assert store.get(task_id).state is S.RUNNING
+
+    assert store.unclaim(lease, owner, "worker:w1@host", "claimed ahead, and dropped")
+    record = store.get(task_id)
+    assert record.state is S.RETRY_WAIT and record.recoveries == 0 and record.attempt == 1
+    assert record.next_retry_at is not None  # due now: the reaper publishes it again
+    assert trail(store, task_id)[-2:] == [(S.RUNNING, S.TIMEOUT), (S.TIMEOUT, S.RETRY_WAIT)]
+    ended = store.history(task_id)[-2]
+    assert ended.reason is not None and "no recovery counted" in ended.reason
+    # the lease is gone: the claim's outcome is refused, and it cannot be given back twice
+    assert not store.finish(lease, S.SUCCEEDED, actor="worker:w1@host", reason="late")
+    assert not store.unclaim(lease, owner, "worker:w1@host", "again")
+
+
+def test_a_claim_whose_cancel_was_requested_is_not_given_back(store):
+    owner = register(store)
+    task_id = submit(store)
+    token = _token()
+    lease = store.claim_many([(task_id, token)], owner, "worker:w1@host")[token].lease
+    store.request_cancel(task_id, actor="ops", reason="withdrawn")
+    assert not store.unclaim(lease, owner, "worker:w1@host", "given back")
+    assert store.get(task_id).state is S.RUNNING  # the lease's expiry decides (cancelled)

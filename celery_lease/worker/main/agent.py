@@ -29,11 +29,16 @@ What a row claimed ahead changes, and the rules that keep it safe:
   with ``max_runtime`` (the wait would count against their limit) and tasks whose
   ``on_timeout`` is ``'manual'`` (a lost worker would hand a person a run that never
   began) are never claimed ahead: their pool processes claim them at start;
-- a delivery Celery drops before it runs gives its claim back (the lease expires at
-  once: cancelled when it was revoked or expired, retried otherwise); so does a claim
-  made for a delivery the main process no longer holds after ``_STRANDED_AFTER``
-  seconds (a lost broker connection clears the worker's reservations), and one whose
-  pool process stopped waiting for the answer;
+- a claim whose delivery will not start here is given back
+  (:meth:`~celery_lease.store.Store.unclaim`, fenced by owner, attempt and token): its
+  lease ends and the row is retried at once with no recovery counted (none of its
+  code ran), the reaper publishing it again: a claim made for a
+  delivery the main process no longer holds after ``_STRANDED_AFTER`` seconds (a lost
+  broker connection clears the worker's reservations), one whose pool process stopped
+  waiting for the answer, and every claim not handed over when the worker stops (its
+  deliveries go back to the broker, and a copy that arrives before the retry is
+  dropped). A delivery Celery drops because it was revoked or expired is cancelled
+  instead;
 - a worker that fenced itself claims nothing, and the claims made before the fence
   are forgotten (the heartbeat's recovery expires them with the worker's other
   leases): their pool processes claim for themselves;
@@ -43,9 +48,10 @@ What a row claimed ahead changes, and the rules that keep it safe:
 - the agent lost (killed): the main process sees it within a second and stops the
   worker as a warm shutdown does (the tasks running finish, their outcomes are
   written); the claims the agent made and never handed over expire with the worker's
-  other leases when it stops, and are retried, none of their code having run. A pool
-  process that asks meanwhile claims for itself: a row the agent claimed is refused
-  (RUNNING) and its delivery dropped; the expiry at the stop publishes it again.
+  other leases when it stops, and are retried, none of their code having run (the
+  only case where a claim made ahead costs an attempt). A pool process that asks
+  meanwhile claims for itself: a row the agent claimed is refused (RUNNING) and its
+  delivery dropped; the expiry at the stop publishes it again.
 """
 
 from __future__ import annotations
@@ -293,8 +299,8 @@ class _Agent:
         self.entries: dict[str, _Entry] = {}
         #: Asks waiting for a claim: (the pool process's connection, task id).
         self.asks: list[tuple[socket.socket, str]] = []
-        #: Claims to give back to the lease: (task id, attempt, reason, cancel).
-        self.give_back: list[tuple[str, int, str, bool]] = []
+        #: Claims to give back: (the claim, reason, cancel).
+        self.give_back: list[tuple[Claim, str, bool]] = []
         self.starts: collections.deque[float] = collections.deque()
         self.gather_until = 0.0
         self.stopping = False
@@ -311,7 +317,7 @@ class _Agent:
                 else:
                     self._read(key.fileobj, key.data)  # type: ignore[arg-type]
             if os.getppid() != self.parent:
-                return  # the worker's main process is gone: so are its reservations
+                break  # the worker's main process is gone: so are its reservations
             if self.inc.flags.fenced:
                 self._forget_claims()
             self._answer()
@@ -320,6 +326,7 @@ class _Agent:
                 self._answer()
             if self.give_back:
                 self._give_back()
+        self._give_back_all()
 
     # -- messages ------------------------------------------------------------------------
 
@@ -398,7 +405,7 @@ class _Agent:
 
     def _back(self, entry: _Entry, reason: str, *, cancel: bool = False) -> None:
         assert entry.claim is not None
-        self.give_back.append((entry.task_id, entry.claim.lease.attempt, reason, cancel))
+        self.give_back.append((entry.claim, reason, cancel))
 
     def _forget_claims(self) -> None:
         """Fenced: the heartbeat's recovery expires every lease of the worker, these
@@ -534,30 +541,63 @@ class _Agent:
             return True
 
     def _give_back(self) -> None:
-        """Expire the leases of claims made ahead whose deliveries will not run here:
-        cancelled when Celery dropped a revoked or expired delivery, retried otherwise
-        (none of their code ran). Kept while the database does not answer."""
-        kept: list[tuple[str, int, str, bool]] = []
+        """Give back the claims made ahead whose deliveries will not run here (none of
+        their code ran): retried at once, no recovery counted
+        (:meth:`~celery_lease.store.Store.unclaim`); cancelled instead when Celery
+        dropped a revoked or expired delivery. Kept while the database does not
+        answer."""
+        kept: list[tuple[Claim, str, bool]] = []
         inc = self.inc
-        for task_id, attempt, reason, cancel in self.give_back:
+        for claim, reason, cancel in self.give_back:
+            lease = claim.lease
             try:
                 if cancel:
                     self.store.request_cancel(
-                        task_id, actor=inc.actor, reason=reason, keep_earlier=True
+                        lease.task_id, actor=inc.actor, reason=reason, keep_earlier=True
                     )
-                self.store.expire(
-                    actor=inc.actor,
-                    reason=reason,
-                    task_ids=[task_id],
-                    owners=[inc.id],
-                    attempt=attempt,
-                    only_expired=False,
-                )
+                    self.store.expire(
+                        actor=inc.actor,
+                        reason=reason,
+                        task_ids=[lease.task_id],
+                        owners=[inc.id],
+                        attempt=lease.attempt,
+                        only_expired=False,
+                    )
+                elif not self.store.unclaim(lease, inc.id, inc.actor, reason):
+                    # a cancel was requested meanwhile (or the row moved on): the
+                    # lease's expiry decides, as for a lost run
+                    self.store.expire(
+                        actor=inc.actor,
+                        reason=reason,
+                        task_ids=[lease.task_id],
+                        owners=[inc.id],
+                        attempt=lease.attempt,
+                        only_expired=False,
+                    )
             except StoreError:
-                kept.append((task_id, attempt, reason, cancel))
+                kept.append((claim, reason, cancel))
             except Exception:
-                logger.exception("celery-lease: lease agent: claim of %s not given back", task_id)
+                logger.exception(
+                    "celery-lease: lease agent: claim of %s not given back", lease.task_id
+                )
         self.give_back = kept
+
+    def _give_back_all(self) -> None:
+        """The worker stops: give back every claim made ahead not handed over yet (a
+        warm shutdown leaves their deliveries to the broker: their rows must not wait
+        RUNNING for a lease that expires as a crash's would, counting a recovery).
+        What the database does not take now expires with the worker's other leases."""
+        for entry in self.entries.values():
+            if entry.claim is not None:
+                self._back(entry, "claimed ahead, and the worker stopped before it started")
+        self.entries.clear()
+        self._give_back()
+        if self.give_back:
+            logger.warning(
+                "celery-lease: lease agent: %d claims made ahead not given back (the "
+                "database does not answer): they expire with the worker's leases",
+                len(self.give_back),
+            )
 
 
 __all__ = ["LeaseAgent", "start_for"]
