@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, cast
+from typing import Any
 
 from celery import Celery
 
@@ -95,26 +95,46 @@ def decode_claim(data: bytes, task_id: str) -> Claim | None:
     )
 
 
+class _AgentConnection:
+    """One thread's connection to the lease agent; closed when the thread ends (its
+    thread-local value is dropped) or when the thread connects to another agent."""
+
+    __slots__ = ("address", "pid", "sock")
+
+    def __init__(self, address: bytes, sock: socket.socket) -> None:
+        self.pid = os.getpid()
+        self.address = address
+        self.sock = sock
+
+    def close(self) -> None:
+        # a forked child closing its copy of the descriptor leaves its parent's open
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 def _connection(address: bytes) -> socket.socket | None:
-    conn = getattr(_agent_conn, "value", None)
-    if conn is not None and conn[0] == os.getpid() and conn[1] == address:
-        return cast(socket.socket, conn[2])
+    conn: _AgentConnection | None = getattr(_agent_conn, "value", None)
+    if conn is not None and conn.pid == os.getpid() and conn.address == address:
+        return conn.sock
+    _drop_connection()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(address)
     except OSError:
         sock.close()
         return None
-    _agent_conn.value = (os.getpid(), address, sock)
+    _agent_conn.value = _AgentConnection(address, sock)
     return sock
 
 
 def _drop_connection() -> None:
-    conn = getattr(_agent_conn, "value", None)
+    conn: _AgentConnection | None = getattr(_agent_conn, "value", None)
     _agent_conn.value = None
-    if conn is not None and conn[0] == os.getpid():
-        with contextlib.suppress(OSError):
-            conn[2].close()
+    if conn is not None:
+        conn.close()
 
 
 def ask_claim(app: Celery, task_id: str, timeout: float) -> Claim | None:

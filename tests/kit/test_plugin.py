@@ -104,7 +104,7 @@ def test_ini_names_the_app_failures_show_the_log_and_teardown_kills_everything(
         r"w1@lease-test-\w+ ready\.", out
     ), out
     pids = [int(p) for p in (project / "group.txt").read_text().split()]
-    assert len(pids) == 2  # the main process and its one pool process
+    assert len(pids) == 3  # the main process, its one pool process and its lease agent
     assert not [p for p in pids if pid_alive(p)]
 
 
