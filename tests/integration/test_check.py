@@ -324,7 +324,7 @@ def test_lease_check_command(
         )
 
     clean = lease_check("--no-liveness")
-    assert clean.returncode == 0, clean.stderr
+    assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "no violations" in clean.stdout
 
     t = store.t.tasks

@@ -117,7 +117,8 @@ class _Entry:
     status: str = QUEUED
     claim: Claim | None = None
     reserved_at: float = dataclasses.field(default_factory=time.monotonic)
-    claimed_at: float = 0.0
+    #: Reports of the main process in a row that did not name the delivery.
+    missing: int = 0
 
 
 # -- the worker's main process ------------------------------------------------------------
@@ -194,9 +195,13 @@ class LeaseAgent:
     def report_held(self) -> None:
         """Tell the agent which deliveries the worker still holds (the service thread,
         once a second): a claim made for one it dropped goes back to the lease."""
+        # stamped with the time it was taken (the monotonic clock is the machine's, the
+        # same in the agent): the agent judges by it, not by when it reads the report,
+        # so a report read late never makes a delivery reserved since look dropped
+        at = time.monotonic()
         ids = [r.id for r in list(worker_state.reserved_requests)]
         if len(ids) <= _HELD_REPORT_MAX:
-            self._send("S", "\x1e".join(ids))
+            self._send("S", repr(at), "\x1e".join(ids))
 
     def check(self) -> bool:
         """Whether the agent is still there (the service thread, once a second). Gone,
@@ -311,10 +316,17 @@ class _Agent:
             timeout = _IDLE
             if self.gather_until:
                 timeout = min(_IDLE, max(0.0, self.gather_until - time.monotonic()))
-            for key, _ in self.sel.select(timeout):
+            ready = self.sel.select(timeout)
+            # the main process's messages first: a delivery's "reserved" is sent before
+            # Celery hands the delivery to a pool process, so it is in this socket by the
+            # time the pool process's ask is: read in that order, an ask never finds its
+            # delivery unknown (answered "claim it yourself") while the claim made
+            # ahead for it is still to come, and then stranded
+            self._read(self.main, "main")
+            for key, _ in ready:
                 if key.data == "accept":
                     self._accept()
-                else:
+                elif key.data != "main":
                     self._read(key.fileobj, key.data)  # type: ignore[arg-type]
             if os.getppid() != self.parent:
                 break  # the worker's main process is gone: so are its reservations
@@ -380,7 +392,7 @@ class _Agent:
             if entry is not None and entry.claim is not None:
                 self._back(entry, fields[2], cancel=True)
         elif kind == "S":
-            self._held(set(fields[1].split("\x1e")) if fields[1] else set())
+            self._held(float(fields[1]), set(fields[2].split("\x1e")) if fields[2] else set())
         elif kind == "Q":
             self.stopping = True
 
@@ -390,14 +402,21 @@ class _Agent:
         if entry is not None and entry.claim is not None:
             self._back(entry, f"claimed ahead, and {why}", cancel=False)
 
-    def _held(self, held: set[str]) -> None:
-        """Give back the claims of deliveries the main process no longer holds."""
-        now = time.monotonic()
+    def _held(self, at: float, held: set[str]) -> None:
+        """Give back the claims of deliveries the main process no longer held at ``at``
+        (when it took the report): only those it had reserved well before then."""
         asked = {task_id for _, task_id in self.asks}
         for task_id, entry in list(self.entries.items()):
             if task_id in held or task_id in asked:
+                entry.missing = 0
                 continue
-            if now - max(entry.reserved_at, entry.claimed_at) <= _STRANDED_AFTER:
+            if at - entry.reserved_at <= _STRANDED_AFTER:
+                continue
+            # missing from two reports in a row (a second apart): a delivery Celery
+            # dropped as revoked or expired leaves the reservations just before the main
+            # process says so ("D"), which a report taken in between must not overtake
+            entry.missing += 1
+            if entry.missing < 2:
                 continue
             del self.entries[task_id]
             if entry.claim is not None:
@@ -528,11 +547,9 @@ class _Agent:
                 self.failing = True
             except Exception:
                 logger.exception("celery-lease: claims ahead failed; pool processes claim")
-        now = time.monotonic()
         for token, entry in tokens.items():
             entry.claim = claims.get(token)
             entry.status = CLAIMED if entry.claim is not None else UNCLAIMED
-            entry.claimed_at = now
 
     def _paused(self, entry: _Entry) -> bool:
         try:
