@@ -10,6 +10,7 @@ The row is the outbox: a PENDING row is published sooner or later.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -69,6 +70,7 @@ class Sweeps(StoreBase):
         task_ids: Sequence[str] | None = None,
         owners: Sequence[str] | None = None,
         attempt: int | None = None,
+        claimed_before: float | None = None,
         only_expired: bool = True,
         limit: int | None = None,
     ) -> list[Expiry]:
@@ -78,6 +80,17 @@ class Sweeps(StoreBase):
         the execution of that ``attempt``, when the caller knows which one it lost; with
         ``only_expired``, only those whose owner's heartbeat is older than their TTL),
         at most ``limit`` (a batch), skipping rows another reaper holds.
+
+        ``claimed_before``: a moment of this process's ``time.monotonic()``; only a row
+        claimed before it is selected (a worker that lost an execution without knowing
+        its attempt: a claim made after it saw the loss is a later execution, which
+        this expiry must not cut short). The moment's age is taken as the statement is
+        built and subtracted from the database's own time in the statement, so the
+        fence is in database time (the row's ``started_at``, written by its claim) and
+        costs the claims nothing. It assumes the database's clock runs steadily over
+        that age: one stepped back by more than the lost execution's age meanwhile (a
+        failover to a server whose clock is that far behind) leaves that row RUNNING
+        until its worker stops, which expires every lease it holds.
 
         A batch is decided together, in one transaction: one read of the candidates,
         one fenced ``RUNNING -> TIMEOUT`` of them all, one read of their steps in flight,
@@ -100,6 +113,9 @@ class Sweeps(StoreBase):
                 q = q.where(t.c.owner.in_(owners))
             if attempt is not None:
                 q = q.where(t.c.attempt == attempt)
+            if claimed_before is not None:
+                age = max(0.0, time.monotonic() - claimed_before)
+                q = q.where(t.c.started_at < after(db_now(), -age))
             if only_expired:
                 q = q.where(lease_expired(self.t))
             if self.is_pg:
