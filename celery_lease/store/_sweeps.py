@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -547,16 +548,63 @@ class Sweeps(StoreBase):
 
         return self._tx(op, single=True)
 
-    def reactivate_worker(self, worker_id: str) -> None:
-        """Mark this incarnation alive again (it was marked stopped while it still ran)."""
+    def worker_started_at(self, worker_id: str) -> datetime | None:
+        """When this incarnation registered, by the database's clock (``None``: no row)."""
         w = self.t.workers
-        self._tx(
-            lambda conn, _: conn.execute(
+        q = select(w.c.started_at).where(w.c.id == worker_id)
+        return self._read(lambda conn: conn.execute(q).scalar())
+
+    def reactivate_worker(
+        self,
+        worker_id: str,
+        nodename: str,
+        hostname: str,
+        pid: int,
+        started_at: datetime | None,
+    ) -> bool:
+        """Make this incarnation alive again, as its heartbeat found it stopped or gone:
+        marked stopped while it still ran (an operator, or a worker that took it for a
+        dead predecessor), or its row missing (a failover to a replica that had not
+        received it yet: asynchronous replication loses the last commits). A missing
+        row is inserted again as it was registered (``started_at``: the incarnation's
+        own registration time, kept in memory), so its leases and claims have a live
+        owner again.
+
+        Fenced: an incarnation superseded by a later one stays stopped. ``False``, and
+        nothing written, while another live incarnation of ``nodename`` registered
+        after ``started_at`` (with ``started_at`` unknown, any other live one): a worker
+        started under the same name since, which took this one for gone (or never saw
+        its row), runs the name's tasks; two live incarnations under one name would
+        expire each other's leases."""
+        w = self.t.workers
+
+        def op(conn: Connection, _: bool) -> bool:
+            later = [w.c.nodename == nodename, w.c.id != worker_id, w.c.stopped_at.is_(None)]
+            if started_at is not None:
+                later.append(w.c.started_at > started_at)
+            if conn.execute(select(w.c.id).where(*later).limit(1)).first() is not None:
+                return False
+            revived = conn.execute(
                 update(w)
                 .where(w.c.id == worker_id)
                 .values(stopped_at=None, stop_reason=None, heartbeat_at=db_now())
-            )
-        )
+            ).rowcount
+            if not revived:
+                conn.execute(
+                    self._insert(w)
+                    .values(
+                        id=worker_id,
+                        nodename=nodename,
+                        hostname=hostname,
+                        pid=pid,
+                        started_at=started_at if started_at is not None else db_now(),
+                        heartbeat_at=db_now(),
+                    )
+                    .on_conflict_do_nothing()
+                )
+            return True
+
+        return self._tx(op)
 
     def stop_worker(self, worker_id: str, reason: str) -> None:
         """Mark this incarnation stopped: leases it still holds are expired at once."""

@@ -74,6 +74,7 @@ class WorkerService:
         inc = Incarnation(uuid.uuid4().hex, nodename, socket.gethostname(), os.getpid())
         ttl = rt.shortest_ttl()
         store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid, supersede=False)
+        inc.registered_at = store.worker_started_at(inc.id)
         try:
             predecessors = dead_predecessors(store, inc, ttl, cfg.heartbeat_interval)
         except ConfigurationError as error:
