@@ -145,6 +145,29 @@ def test_a_late_loss_without_its_attempt_spares_the_next_claim(
     assert (rec.state, rec.attempt, rec.recoveries) == (State.PENDING, 2, 2)
 
 
+def test_a_loss_handled_again_spares_the_execution_claimed_since(
+    service: tuple[Ops, WorkerService],
+) -> None:
+    """An event whose expiry committed and whose next statement then failed on the
+    database is kept, and handled again once it answers: by then the task may run
+    again on this worker, and the second expiry must miss that execution."""
+    ops, svc = service
+    inc = svc.incarnation
+    task_id = ops.submit()
+    ops.claim(task_id, (inc.id, inc.nodename))
+    _db_clock_moves(ops.store)
+    svc.child_lost(task_id, LOST)
+    event = svc._events.get_nowait()
+    svc._handle([event])  # expired, retried at once and published again
+    assert ops.store.get(task_id).state == State.PENDING
+    _db_clock_moves(ops.store)
+    assert ops.claim(task_id, (inc.id, inc.nodename)).attempt == 2
+
+    svc._handle([event])
+    rec = ops.store.get(task_id)
+    assert (rec.state, rec.attempt, rec.recoveries) == (State.RUNNING, 2, 1)
+
+
 def test_an_expiry_fenced_by_the_claims_age_takes_only_an_older_claim(
     service: tuple[Ops, WorkerService],
 ) -> None:

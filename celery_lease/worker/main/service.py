@@ -145,7 +145,9 @@ class WorkerService:
         """Handle the events in order. A database error stops at the event it hit:
         that one and the rest are kept for the next round, the ones handled before it
         are not (handled again, a lost child's event would expire the task's next
-        execution). Any other error is logged and the event kept for a few rounds."""
+        execution). The one it hit may have committed its expiry already: handled
+        again, its expiry is fenced (attempt, or claim's age) and misses an execution
+        claimed since. Any other error is logged and the event kept for a few rounds."""
         for i, event in enumerate(events):
             try:
                 self._handle_one(event)
