@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import struct
 import time
+from datetime import datetime
 
 
 class SharedFlags:
@@ -65,6 +66,9 @@ class Incarnation:
         self.hostname = hostname
         self.pid = pid
         self.flags = SharedFlags()
+        #: When its row was registered, by the database's clock (set once registered):
+        #: the heartbeat registers it again as it was should a failover lose the row.
+        self.registered_at: datetime | None = None
 
     @property
     def actor(self) -> str:

@@ -10,7 +10,9 @@ The row is the outbox: a PENDING row is published sooner or later.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -69,6 +71,7 @@ class Sweeps(StoreBase):
         task_ids: Sequence[str] | None = None,
         owners: Sequence[str] | None = None,
         attempt: int | None = None,
+        claimed_before: float | None = None,
         only_expired: bool = True,
         limit: int | None = None,
     ) -> list[Expiry]:
@@ -78,6 +81,17 @@ class Sweeps(StoreBase):
         the execution of that ``attempt``, when the caller knows which one it lost; with
         ``only_expired``, only those whose owner's heartbeat is older than their TTL),
         at most ``limit`` (a batch), skipping rows another reaper holds.
+
+        ``claimed_before``: a moment of this process's ``time.monotonic()``; only a row
+        claimed before it is selected (a worker that lost an execution without knowing
+        its attempt: a claim made after it saw the loss is a later execution, which
+        this expiry must not cut short). The moment's age is taken as the statement is
+        built and subtracted from the database's own time in the statement, so the
+        fence is in database time (the row's ``started_at``, written by its claim) and
+        costs the claims nothing. It assumes the database's clock runs steadily over
+        that age: one stepped back by more than the lost execution's age meanwhile (a
+        failover to a server whose clock is that far behind) leaves that row RUNNING
+        until its worker stops, which expires every lease it holds.
 
         A batch is decided together, in one transaction: one read of the candidates,
         one fenced ``RUNNING -> TIMEOUT`` of them all, one read of their steps in flight,
@@ -100,6 +114,9 @@ class Sweeps(StoreBase):
                 q = q.where(t.c.owner.in_(owners))
             if attempt is not None:
                 q = q.where(t.c.attempt == attempt)
+            if claimed_before is not None:
+                age = max(0.0, time.monotonic() - claimed_before)
+                q = q.where(t.c.started_at < after(db_now(), -age))
             if only_expired:
                 q = q.where(lease_expired(self.t))
             if self.is_pg:
@@ -531,16 +548,63 @@ class Sweeps(StoreBase):
 
         return self._tx(op, single=True)
 
-    def reactivate_worker(self, worker_id: str) -> None:
-        """Mark this incarnation alive again (it was marked stopped while it still ran)."""
+    def worker_started_at(self, worker_id: str) -> datetime | None:
+        """When this incarnation registered, by the database's clock (``None``: no row)."""
         w = self.t.workers
-        self._tx(
-            lambda conn, _: conn.execute(
+        q = select(w.c.started_at).where(w.c.id == worker_id)
+        return self._read(lambda conn: conn.execute(q).scalar())
+
+    def reactivate_worker(
+        self,
+        worker_id: str,
+        nodename: str,
+        hostname: str,
+        pid: int,
+        started_at: datetime | None,
+    ) -> bool:
+        """Make this incarnation alive again, as its heartbeat found it stopped or gone:
+        marked stopped while it still ran (an operator, or a worker that took it for a
+        dead predecessor), or its row missing (a failover to a replica that had not
+        received it yet: asynchronous replication loses the last commits). A missing
+        row is inserted again as it was registered (``started_at``: the incarnation's
+        own registration time, kept in memory), so its leases and claims have a live
+        owner again.
+
+        Fenced: an incarnation superseded by a later one stays stopped. ``False``, and
+        nothing written, while another live incarnation of ``nodename`` registered
+        after ``started_at`` (with ``started_at`` unknown, any other live one): a worker
+        started under the same name since, which took this one for gone (or never saw
+        its row), runs the name's tasks; two live incarnations under one name would
+        expire each other's leases."""
+        w = self.t.workers
+
+        def op(conn: Connection, _: bool) -> bool:
+            later = [w.c.nodename == nodename, w.c.id != worker_id, w.c.stopped_at.is_(None)]
+            if started_at is not None:
+                later.append(w.c.started_at > started_at)
+            if conn.execute(select(w.c.id).where(*later).limit(1)).first() is not None:
+                return False
+            revived = conn.execute(
                 update(w)
                 .where(w.c.id == worker_id)
                 .values(stopped_at=None, stop_reason=None, heartbeat_at=db_now())
-            )
-        )
+            ).rowcount
+            if not revived:
+                conn.execute(
+                    self._insert(w)
+                    .values(
+                        id=worker_id,
+                        nodename=nodename,
+                        hostname=hostname,
+                        pid=pid,
+                        started_at=started_at if started_at is not None else db_now(),
+                        heartbeat_at=db_now(),
+                    )
+                    .on_conflict_do_nothing()
+                )
+            return True
+
+        return self._tx(op)
 
     def stop_worker(self, worker_id: str, reason: str) -> None:
         """Mark this incarnation stopped: leases it still holds are expired at once."""

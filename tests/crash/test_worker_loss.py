@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from celery_lease import State
 
+from ..helpers import wait_until
 from .support import RECOVERED, LeaseEnv, Stopwatch, released, report
 
 
@@ -207,3 +209,48 @@ def test_reaper_lock_held_by_a_frozen_transaction_does_not_stop_recovery(
         with contextlib.suppress(Exception):  # the server may have ended the session
             transaction.rollback()
         stalled.close()
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [
+        pytest.param("redis", "postgresql", id="redis-postgresql", marks=pytest.mark.postgres),
+        pytest.param("redis", "sqlite", id="redis-sqlite"),
+    ],
+    indirect=True,
+)
+def test_a_worker_whose_incarnation_row_was_lost_registers_again_and_keeps_working(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    """A failover to a replica that asynchronous replication had not brought up to date
+    loses the row of a worker registered in that window (deleted here): the worker's
+    heartbeat inserts it again, as it was registered, and the worker runs tasks on."""
+    p = lease_env.project(broker_url=broker_url)
+    worker = p.worker("node", concurrency=1)
+    first = p.submit("t.work", "a")
+    p.wait_state(first, State.SUCCEEDED)
+    inc = p.incarnation(worker)
+    (registered,) = [w for w in p.store.workers() if w.id == inc]
+
+    w = p.store.t.workers
+    with p.store.engine.begin() as conn:
+        conn.execute(delete(w).where(w.c.id == inc))
+
+    def back() -> Any:
+        row = next((r for r in p.store.workers() if r.id == inc), None)
+        return row if row is not None and row.stopped_at is None else None
+
+    again = wait_until(back, timeout=30, message="the incarnation row registered again")
+    assert again.started_at == registered.started_at
+    assert (again.nodename, again.hostname, again.pid) == (
+        registered.nodename,
+        registered.hostname,
+        registered.pid,
+    )
+    worker.wait_log(r"its row is missing \(database failover\?\); re-registering")
+
+    second = p.submit("t.work", "b")
+    rec = p.wait_state(second, State.SUCCEEDED)
+    assert rec.owner == inc and rec.attempt == 1 and rec.recoveries == 0
+    assert p.incarnation(worker) == inc and worker.pid == registered.pid
+    assert lease_env.external.count("done:a") == 1 and lease_env.external.count("done:b") == 1

@@ -64,6 +64,9 @@ class Heartbeat(threading.Thread):
         self.ttl = ttl
         self.on_recovered = on_recovered
         self.renewals = 0
+        #: A later incarnation under the same node name superseded this one (see
+        #: ``_renew``): the worker stays fenced.
+        self.superseded = False
         self._stop_event = threading.Event()
         self._last_ok = time.monotonic()
         incarnation.flags.deadline = self._last_ok + ttl
@@ -144,16 +147,36 @@ class Heartbeat(threading.Thread):
             renewed = self.store.renew(inc.id)
             if not renewed:
                 # someone marked this incarnation stopped (an operator, or a worker that
-                # took it for a dead predecessor): its leases were expired; fence what
-                # still runs here and carry on heartbeating for new work
-                logger.error(
-                    "worker %s: incarnation %s was marked stopped by someone else "
-                    "(duplicate node name?); re-registering",
-                    inc.nodename,
-                    inc.id,
-                )
+                # took it for a dead predecessor), or its row is gone (a failover to a
+                # replica the registration had not reached): its leases were expired,
+                # or could be (an unknown owner's lease is expired). Fence what still
+                # runs here, and register again for new work, unless a later
+                # incarnation under this name superseded this one
+                if not self.superseded:
+                    logger.error(
+                        "worker %s: incarnation %s was marked stopped by someone else "
+                        "(duplicate node name?) or its row is missing (database "
+                        "failover?); re-registering",
+                        inc.nodename,
+                        inc.id,
+                    )
                 inc.flags.fenced = True
-                self.store.reactivate_worker(inc.id)
+                if not self.store.reactivate_worker(
+                    inc.id, inc.nodename, inc.hostname, inc.pid, inc.registered_at
+                ):
+                    # stays fenced: claims nothing, consumes nothing, expires nothing
+                    # more; the later incarnation runs the name's tasks
+                    if not self.superseded:
+                        logger.critical(
+                            "worker %s: incarnation %s was superseded by a later one "
+                            "under the same node name: it stays stopped and fenced "
+                            "(stop this worker; give each worker a unique name)",
+                            inc.nodename,
+                            inc.id,
+                        )
+                    self.superseded = True
+                    return False
+                self.superseded = False
         except StoreError as error:
             logger.warning("worker %s: heartbeat failed: %s", inc.nodename, error)
             return False

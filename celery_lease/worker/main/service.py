@@ -52,6 +52,9 @@ class Event:
     #: The attempt that was lost, when the pool process knew it (it had claimed).
     attempt: int | None = None
     tries: int = 0
+    #: When the main process learned of it (``time.monotonic()``): with no attempt, the
+    #: lost execution's claim is known to be older than this (see ``_handle_one``).
+    seen_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 #: Tries of an event that fails with something other than a database error.
@@ -71,6 +74,7 @@ class WorkerService:
         inc = Incarnation(uuid.uuid4().hex, nodename, socket.gethostname(), os.getpid())
         ttl = rt.shortest_ttl()
         store.register_worker(inc.id, inc.nodename, inc.hostname, inc.pid, supersede=False)
+        inc.registered_at = store.worker_started_at(inc.id)
         try:
             predecessors = dead_predecessors(store, inc, ttl, cfg.heartbeat_interval)
         except ConfigurationError as error:
@@ -141,7 +145,9 @@ class WorkerService:
         """Handle the events in order. A database error stops at the event it hit:
         that one and the rest are kept for the next round, the ones handled before it
         are not (handled again, a lost child's event would expire the task's next
-        execution). Any other error is logged and the event kept for a few rounds."""
+        execution). The one it hit may have committed its expiry already: handled
+        again, its expiry is fenced (attempt, or claim's age) and misses an execution
+        claimed since. Any other error is logged and the event kept for a few rounds."""
         for i, event in enumerate(events):
             try:
                 self._handle_one(event)
@@ -175,15 +181,21 @@ class WorkerService:
                 # the child may have handed its outcome over just before it died
                 self.outcomes.flush()
             if event.recoveries == self._fence_recoveries:
-                # fenced by the attempt when known: kept while the database was away,
-                # the event may be handled after this task was recovered and claimed
-                # again by this very worker
+                # Kept while the database was away, or handled late, the event may come
+                # after this task was recovered and claimed again by this very worker:
+                # that next execution must not be cut short (the task would run twice).
+                # Fenced by the attempt when the pool process knew it; otherwise (a
+                # pool child killed, a hard time limit: the main process never learns
+                # the attempt, and telling it would cost every task a message) by the
+                # claim's age: only a claim made before the loss was seen, by the
+                # database's clock (``started_at``), is the lost execution's.
                 self.store.expire(
                     actor=inc.actor,
                     reason=reason,
                     task_ids=[task_id],
                     owners=[inc.id],
                     attempt=event.attempt,
+                    claimed_before=event.seen_at if event.attempt is None else None,
                     only_expired=False,
                 )
             else:
