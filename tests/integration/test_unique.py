@@ -314,6 +314,15 @@ def test_bad_options_fail_before_anything_is_written(project: Any) -> None:
         assert info.value.argument == named and named in str(info.value), options
     with pytest.raises(InvalidSubmission, match="submit_many"):
         echo.submit_many([{"args": (1,), "dedup_key": "x"}], unique_for=5)
+    # refused, not ignored: a task's defaults where they do not apply yet
+    once = app.tasks["u.once"]
+    with pytest.raises(InvalidSubmission, match="submit_many"):
+        once.submit_many([{"args": (1,), "dedup_key": "x"}])
+    with project.store.engine.connect() as conn, conn.begin():
+        with pytest.raises(InvalidSubmission, match="connection="):
+            echo.apply_async((1,), dedup_key="x", unique_for=5, connection=conn)
+        with pytest.raises(InvalidSubmission, match="connection="):
+            once.apply_async((1,), dedup_key="x", connection=conn)
     assert project.store.list_tasks() == []
 
 
