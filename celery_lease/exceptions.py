@@ -55,6 +55,21 @@ class DuplicateStep(CeleryLeaseError, ValueError):
         )
 
 
+class DuplicateSubmission(CeleryLeaseError, ValueError):
+    """A submission with ``on_conflict="raise"`` found its ``dedup_key`` held by a task
+    that still deduplicates (inside its ``unique_for`` window, in a ``unique_while``
+    state): nothing was written or published. ``task_id`` names that task."""
+
+    def __init__(self, dedup_key: str, task_id: str, state: str | None = None) -> None:
+        self.dedup_key = dedup_key
+        self.task_id = task_id
+        self.state = state
+        held = f" ({state})" if state else ""
+        super().__init__(
+            f"dedup_key {dedup_key!r} is held by task {task_id}{held}: nothing submitted"
+        )
+
+
 class InvalidSubmission(CeleryLeaseError):
     """A submission is outside the documented limits; ``argument`` names what is wrong.
 

@@ -21,9 +21,10 @@ from .producer import follow_ups as _follow_ups
 from .producer import group_batches as _group_batches
 from .producer import message as _message
 from .producer import submission as _submission
+from .producer.limits import check_unique
 from .producer.submission import Submitted
 from .states import State
-from .store import LeaseOptions
+from .store import LeaseOptions, Unique
 from .worker.pool import attempt as _attempt
 from .worker.pool import replace as _replace
 from .worker.pool.execution import Execution
@@ -69,6 +70,9 @@ class LeasedTask(Task[Any, Any]):
       safe; ``"manual"`` hands it to a person.
     * ``on_exhausted``: ``"fail"`` (default) or ``"manual"`` when retries run out.
     * ``max_recoveries``: lease expiries tolerated before WAIT_MANUAL (poison cap).
+    * ``unique_for``, ``unique_while``, ``on_conflict``: the defaults of the
+      submission options of the same names (how long, in which states, a ``dedup_key``
+      deduplicates, and what a duplicate does; see :meth:`apply_async`).
     """
 
     abstract = True
@@ -79,6 +83,12 @@ class LeasedTask(Task[Any, Any]):
     on_timeout: ClassVar[str] = "retry"
     on_exhausted: ClassVar[str] = "fail"
     max_recoveries: ClassVar[int | None] = None
+    unique_for: ClassVar[float | None] = None
+    unique_while: ClassVar[Iterable[State | str] | None] = None
+    on_conflict: ClassVar[str] = "return"
+
+    #: The uniqueness options above, checked when the task is bound to an app.
+    _unique: ClassVar[Unique] = Unique()
 
     #: The checked options and the configuration they were checked against.
     _lease_options: tuple[LeaseConfig, LeaseOptions] | None = None
@@ -91,6 +101,10 @@ class LeasedTask(Task[Any, Any]):
         plain groups of leased tasks into bulk writes: :mod:`.producer.group_batches`),
         and record the task among the app's leased ones (the worker fences itself after
         the shortest TTL)."""
+        # checked here, when the task is made: a bad option fails at decoration
+        cls._unique = check_unique(
+            f"task {cls.name}", cls.unique_for, cls.unique_while, cls.on_conflict, task=True
+        )
         rt = install(app)
         _group_batches.install(LeasedTask)
         if cls.name is not None:
@@ -166,6 +180,9 @@ class LeasedTask(Task[Any, Any]):
         *,
         dedup_key: str | None = None,
         connection: Any = None,
+        unique_for: Any = _submission.DEFAULT,
+        unique_while: Any = _submission.DEFAULT,
+        on_conflict: Any = _submission.DEFAULT,
         **options: Any,
     ) -> AsyncResult[Any]:
         """Write the task's row (PENDING) with the message Celery built, then publish it.
@@ -175,10 +192,23 @@ class LeasedTask(Task[Any, Any]):
         or ``Session`` on the store's database; the row joins its transaction and the
         message is published only after it commits.
 
+        With a ``dedup_key`` (defaults: the task's options of the same names):
+
+        * ``unique_for``: seconds from the key holder's submission (database time)
+          during which the key deduplicates; after them the same key submits a new task
+          (default ``None``: until the row is purged).
+        * ``unique_while``: the states of the key holder in which the key deduplicates
+          (e.g. ``[State.PENDING, State.RUNNING]``; default ``None``: any).
+        * ``on_conflict``: what a duplicate does: ``"return"`` (the existing task's
+          result handle), ``"raise"`` (:class:`~celery_lease.DuplicateSubmission`) or
+          ``"replace"`` (the existing task, if still PENDING and never claimed, takes
+          these arguments, message and schedule: a debounce; else it is returned).
+
         Raises:
             NotSerializable: the arguments cannot be stored as JSON (nothing is published).
             InvalidSubmission: an argument is outside the documented limits (a
                 ``ValueError`` or ``TypeError`` naming it; nothing is written).
+            DuplicateSubmission: ``on_conflict="raise"`` and the key is held.
         """
         app = self.app
         if app.conf.task_always_eager:
@@ -203,6 +233,7 @@ class LeasedTask(Task[Any, Any]):
             dedup_key,
             connection,
             options,
+            unique=_submission.uniqueness(self, dedup_key, unique_for, unique_while, on_conflict),
         )
 
     def submit_many(

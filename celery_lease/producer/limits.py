@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from numbers import Real
 
 from ..config import MAX_SECONDS
-from ..exceptions import ArgumentsTooLarge, InvalidSubmissionType, InvalidSubmissionValue
+from ..exceptions import (
+    ArgumentsTooLarge,
+    ConfigurationError,
+    InvalidSubmissionType,
+    InvalidSubmissionValue,
+)
+from ..states import State
+from ..store import ON_CONFLICT, Unique
 
 #: Longest task id, dedup key and task name, in characters (the columns are String(255)).
 MAX_KEY_CHARS = 255
@@ -145,3 +153,68 @@ def check_arguments_size(
     if size > args_max_bytes:
         biggest = "args" if len(args_text) >= len(kwargs_text) else "kwargs"
         raise ArgumentsTooLarge(biggest, size, args_max_bytes, task_name)
+
+
+def check_unique(
+    where: str,
+    unique_for: object,
+    unique_while: object,
+    on_conflict: object,
+    *,
+    task: bool = False,
+) -> Unique:
+    """The uniqueness options of a task (``where`` names it in the message) or of one
+    submission, checked: ``unique_for`` a positive finite number of seconds (at most
+    ten years), ``unique_while`` states of :class:`~celery_lease.State` (or their
+    names), ``on_conflict`` one of ``"return"``, ``"raise"``, ``"replace"``.
+
+    Raises:
+        InvalidSubmissionValue: a submission's option (names it).
+        ConfigurationError: with ``task``, a task's option.
+    """
+
+    def bad(argument: str, message: str) -> Exception:
+        if task:
+            return ConfigurationError(f"{where}: {message}")
+        return InvalidSubmissionValue(argument, f"{where}: {message}")
+
+    seconds: float | None = None
+    if unique_for is not None:
+        if isinstance(unique_for, bool) or not isinstance(unique_for, Real):
+            raise bad(
+                "unique_for",
+                f"unique_for must be a number of seconds, got {type(unique_for).__name__}",
+            )
+        try:
+            seconds = float(unique_for)
+        except OverflowError:
+            seconds = math.inf
+        if not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
+            raise bad(
+                "unique_for",
+                f"unique_for must be a positive finite number of seconds, at most "
+                f"{MAX_SECONDS:g} (ten years), got {unique_for!r}",
+            )
+    states: frozenset[State] | None = None
+    if unique_while is not None:
+        if isinstance(unique_while, (str, State)) or not isinstance(unique_while, Iterable):
+            raise bad(
+                "unique_while",
+                "unique_while must be an iterable of states (e.g. [State.PENDING, "
+                f"State.RUNNING]), got {unique_while!r}",
+            )
+        found: set[State] = set()
+        for item in unique_while:
+            try:
+                found.add(State(item))
+            except ValueError:
+                known = ", ".join(s.value for s in State)
+                raise bad(
+                    "unique_while", f"unique_while: unknown state {item!r} (known: {known})"
+                ) from None
+        if not found:
+            raise bad("unique_while", "unique_while must name at least one state")
+        states = frozenset(found)
+    if on_conflict not in ON_CONFLICT:
+        raise bad("on_conflict", f"on_conflict must be one of {ON_CONFLICT}, got {on_conflict!r}")
+    return Unique(seconds, states, str(on_conflict))

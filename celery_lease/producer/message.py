@@ -62,6 +62,24 @@ _PUBLISH_ARGS = frozenset(
 )
 
 
+#: The header of a message built for a task whose arguments a later submission replaced
+#: (``on_conflict="replace"``): the row's revision, which the claim checks.
+REVISION_HEADER = "lease_revision"
+
+
+def revision_of(request: Any) -> str | None:
+    """The revision a delivered message carries: ``request`` is a task's request context
+    or a worker request's dict of headers (``None``: the message has none)."""
+    if isinstance(request, dict):
+        value = request.get(REVISION_HEADER)
+    else:
+        value = getattr(request, REVISION_HEADER, None)
+        if value is None:
+            headers = getattr(request, "headers", None)
+            value = headers.get(REVISION_HEADER) if isinstance(headers, dict) else None
+    return value if isinstance(value, str) else None
+
+
 class _NoConnection:
     """What ``send_task`` asks of ``producer.connection`` while a message is captured.
 

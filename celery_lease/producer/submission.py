@@ -29,6 +29,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
+from uuid import uuid4
 
 from celery import Celery
 from celery import result as _result
@@ -41,10 +42,10 @@ from kombu.serialization import dumps as kombu_dumps
 from .._crashpoints import crash_point
 from .._runtime import Runtime, runtime
 from ..config import LeaseConfig
-from ..exceptions import InvalidSubmissionValue, NotSerializable
-from ..store import Lease, LeaseOptions, NewTask, dumps
+from ..exceptions import DuplicateSubmission, InvalidSubmissionValue, NotSerializable
+from ..store import Lease, LeaseOptions, NewTask, Replacement, Unique, dumps
 from . import message as _message
-from .limits import check_arguments_size, check_submission
+from .limits import check_arguments_size, check_submission, check_unique
 
 #: apply_async options kept in the row so that a re-published message is routed the same way.
 _ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
@@ -188,10 +189,34 @@ def submit(
     dedup_key: str | None,
     connection: Any,
     options: dict[str, Any],
+    unique: Unique | None = None,
 ) -> AsyncResult[Any]:
     """``apply_async`` of a leased task: prepare, write the row, then publish (at once,
-    after the caller's transaction commits, or at the end of a :func:`bulk` block)."""
+    after the caller's transaction commits, or at the end of a :func:`bulk` block).
+    ``unique``: the dedup key's uniqueness options (:func:`uniqueness`)."""
     rt = runtime(task.app)
+    if dedup_key is not None and unique is not None and not unique.plain:
+        if connection is not None:
+            raise InvalidSubmissionValue(
+                "connection",
+                f"task {task.name}: unique_for, unique_while and on_conflict other than "
+                '"return" are not supported with connection= (submit without connection=, '
+                "or with a plain dedup_key)",
+            )
+        return _submit_unique(
+            task,
+            rt,
+            args,
+            kwargs,
+            task_id or uuid(),
+            dedup_key,
+            options,
+            unique,
+            link=link,
+            link_error=link_error,
+            shadow=shadow,
+            producer=producer,
+        )
     new, outgoing = prepare(
         task,
         args,
@@ -231,6 +256,119 @@ def submit(
         )
         return task.AsyncResult(tid)
     return publish(task, rt, outgoing, producer)
+
+
+#: An ``apply_async`` option not given (its task's default applies).
+DEFAULT: Any = object()
+
+
+def uniqueness(
+    task: LeasableTask,
+    dedup_key: str | None,
+    unique_for: Any = DEFAULT,
+    unique_while: Any = DEFAULT,
+    on_conflict: Any = DEFAULT,
+) -> Unique | None:
+    """The uniqueness options of one submission: those given, the task's defaults for
+    the rest (``None``: the submission has no dedup key, so none apply).
+
+    Raises:
+        InvalidSubmissionValue: an option is invalid, or given without a ``dedup_key``.
+    """
+    given = {
+        name: value
+        for name, value in (
+            ("unique_for", unique_for),
+            ("unique_while", unique_while),
+            ("on_conflict", on_conflict),
+        )
+        if value is not DEFAULT
+    }
+    if dedup_key is None:
+        if given:
+            name = next(iter(given))
+            raise InvalidSubmissionValue(
+                name, f"task {task.name}: {name} is given without a dedup_key: it applies to one"
+            )
+        return None
+    default: Unique = getattr(task, "_unique", None) or Unique()
+    if not given:
+        return default
+    return check_unique(
+        f"task {task.name}",
+        given.get("unique_for", default.unique_for),
+        given.get("unique_while", default.unique_while),
+        given.get("on_conflict", default.on_conflict),
+    )
+
+
+def _submit_unique(
+    task: LeasableTask,
+    rt: Runtime,
+    args: Any,
+    kwargs: Any,
+    task_id: str,
+    dedup_key: str,
+    options: dict[str, Any],
+    unique: Unique,
+    **build: Any,
+) -> AsyncResult[Any]:
+    """A submission whose dedup key has uniqueness options: the store decides, in one
+    transaction (:meth:`~celery_lease.store.Store.submit_unique`), whether it is a new
+    task, a duplicate, or (``on_conflict="replace"``) new arguments for the PENDING task
+    holding the key; a new task's message, or the replacement's, is then published."""
+    new, outgoing = prepare(task, args, kwargs, task_id, dedup_key, options, **build)
+    replacements: dict[str, tuple[Replacement, _message.Outgoing]] = {}
+
+    def replacement(existing: str) -> Replacement:
+        # the message of the task holding the key, with these arguments and a revision
+        # of its own: a message sent before carries none (or an older one), and its
+        # claim is refused
+        made = replacements.get(existing)
+        if made is None:
+            revision = uuid4().hex
+            headers = {**(options.get("headers") or {}), _message.REVISION_HEADER: revision}
+            row, message = prepare(
+                task, args, kwargs, existing, dedup_key, {**options, "headers": headers}, **build
+            )
+            made = replacements[existing] = (
+                Replacement(
+                    args=row.args,
+                    kwargs=row.kwargs,
+                    options=row.options,
+                    message=row.message,
+                    revision=revision,
+                    countdown=row.countdown,
+                    eta=row.eta,
+                ),
+                message,
+            )
+        return made[0]
+
+    answer = rt.store.submit_unique(
+        new, unique, replacement if unique.on_conflict == "replace" else None
+    )
+    crash_point("after_insert")
+    if answer.outcome == "created":
+        return publish(task, rt, outgoing, build.get("producer"))
+    if answer.outcome == "replaced":
+        logger.info(
+            "task %s[%s]: arguments replaced by a later submission (dedup key %r)",
+            task.name,
+            answer.task_id,
+            dedup_key,
+        )
+        return publish(task, rt, replacements[answer.task_id][1], build.get("producer"))
+    if unique.on_conflict == "raise":
+        raise DuplicateSubmission(
+            dedup_key, answer.task_id, answer.state.value if answer.state else None
+        )
+    logger.info(
+        "task %s[%s]: already submitted with this dedup key, nothing published",
+        task.name,
+        answer.task_id,
+    )
+    return task.AsyncResult(answer.task_id)
 
 
 def publish(
@@ -454,10 +592,25 @@ def submit_many(
         for args, kwargs, extra in _items(items):
             out.append(Submitted(task.apply_async(args, kwargs, **extra, **options), True))
         return out
+    given = [k for k in ("unique_for", "unique_while", "on_conflict") if k in options]
+    if given:
+        raise InvalidSubmissionValue(
+            given[0],
+            f"task {task.name}: submit_many() does not take {given[0]}: submit such tasks "
+            "with apply_async",
+        )
+    default: Unique | None = getattr(task, "_unique", None)
+    plain = default is None or default.plain
     batch = _Batch(task.app)
     for index, (args, kwargs, extra) in enumerate(_items(items)):
         task_id = extra.pop("task_id", None) or uuid()
         dedup_key = extra.pop("dedup_key", None)
+        if dedup_key is not None and not plain:
+            raise InvalidSubmissionValue(
+                "dedup_key",
+                f"task {task.name} has unique_for, unique_while or on_conflict: submit_many() "
+                f"does not apply them (item {index} has a dedup_key): use apply_async",
+            )
         merged = {**options, **extra}
         try:
             new, outgoing = prepare(task, args, kwargs, task_id, dedup_key, merged)

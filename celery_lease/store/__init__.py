@@ -62,13 +62,13 @@ from ._submit import (
     REPLACED,
     RESUBMITTED,
     JoinedTransaction,
-    Submission,
     join_transaction,
     outbox_transaction,
 )
 from ._sweeps import Sweeps
 from ._totals import DUPLICATES_DROPPED, PURGED, REPUBLISHED
 from ._types import (
+    ON_CONFLICT,
     Claim,
     Executor,
     Expiry,
@@ -88,10 +88,14 @@ from ._types import (
     Publishable,
     RecordedStep,
     Refusal,
+    Replacement,
     Rows,
     Totals,
     TransitionEvent,
+    Unique,
+    UniqueAnswer,
 )
+from ._unique import REPLACED_ARGUMENTS, UniqueSubmission
 from .migrations import SchemaSetup
 from .schema import (
     SCHEMA_VERSION,
@@ -106,7 +110,7 @@ from .schema import (
 )
 
 
-class Store(Submission, Claims, Outcomes, Sweeps, Operator, Schedules, SchemaSetup):
+class Store(UniqueSubmission, Claims, Outcomes, Sweeps, Operator, Schedules, SchemaSetup):
     """Domain operations on the lease tables of one database (thread-safe; fork-safe).
 
     The parts above own the operations; the class itself owns the reads that belong to
@@ -421,10 +425,12 @@ class Store(Submission, Claims, Outcomes, Sweeps, Operator, Schedules, SchemaSet
 
 __all__ = [
     "DUPLICATES_DROPPED",
+    "ON_CONFLICT",
     "PAUSE_KINDS",
     "PURGED",
     "REOPENABLE",
     "REPLACED",
+    "REPLACED_ARGUMENTS",
     "REPUBLISHED",
     "RESUBMITTED",
     "SCHEMA_VERSION",
@@ -449,6 +455,7 @@ __all__ = [
     "Publishable",
     "RecordedStep",
     "Refusal",
+    "Replacement",
     "Rows",
     "ScheduleRow",
     "SlotDecision",
@@ -456,6 +463,8 @@ __all__ = [
     "Tables",
     "Totals",
     "TransitionEvent",
+    "Unique",
+    "UniqueAnswer",
     "bounded_connection",
     "build",
     "dumps",

@@ -61,14 +61,24 @@ class Claims(StoreBase):
         owner: str,
         actor: str,
         adopt: NewTask | Callable[[], NewTask] | None = None,
+        revision: str | None = None,
     ) -> Claim | Refusal:
         """Compare-and-set PENDING -> RUNNING (attempt += 1). A delivery without a row is
         adopted when ``adopt`` describes it (or builds it: only called when needed);
-        anything else is refused."""
+        anything else is refused.
+
+        ``revision``: the one the delivered message carries (``None``: none). A row
+        whose arguments were replaced (``on_conflict="replace"``) is claimed only by a
+        message of its current revision; an older message is refused as stale."""
         t = self.t.tasks
         token = uuid.uuid4().hex
         reason = f"claimed by {actor}"
-        params = {"b_task_id": task_id, "b_token": token, "b_owner": owner}
+        params = {
+            "b_task_id": task_id,
+            "b_token": token,
+            "b_owner": owner,
+            "b_revision": revision,
+        }
 
         def claimed(r: Row[Any], adopted: bool) -> Claim:
             return Claim(
@@ -117,8 +127,22 @@ class Claims(StoreBase):
             if not rows:
                 due = self._claim_spec()[0][1]
                 row = conn.execute(
-                    select(t.c.state, t.c.token, ~due.self_group()).where(t.c.id == task_id)
+                    select(t.c.state, t.c.token, ~due.self_group(), t.c.revision).where(
+                        t.c.id == task_id
+                    )
                 ).first()
+                if (
+                    row is not None
+                    and row.state == State.PENDING.value
+                    and row.revision is not None
+                    and row.revision != revision
+                ):
+                    return Refusal(
+                        task_id,
+                        State.PENDING,
+                        "a stale message: the task's arguments were replaced by a later "
+                        "submission with the same dedup key",
+                    )
                 if row is not None and row.state == State.PENDING.value and row[2]:
                     return Refusal(task_id, State.PENDING, "arrived before its ETA", early=True)
                 if row is not None and row.state == State.PENDING.value:
@@ -171,8 +195,15 @@ class Claims(StoreBase):
             "progress_at": db_now(),
             "finished_at": None,
             "next_retry_at": None,
+            # a replaced row's revision served its purpose: the claimed message was current
+            "revision": None,
         }
-        where = [t.c.id == bindparam("b_task_id", type_=t.c.id.type), due]
+        # a replaced row (on_conflict="replace") only by a message of its revision
+        current = or_(
+            t.c.revision.is_(None),
+            t.c.revision == bindparam("b_revision", type_=t.c.revision.type),
+        )
+        where = [t.c.id == bindparam("b_task_id", type_=t.c.id.type), due, current]
         return where, values, (t.c.retries, t.c.recoveries, t.c.cancel_requested_at)
 
     def _claim_pg(self) -> Any:
@@ -331,6 +362,9 @@ class Claims(StoreBase):
         ``b_task_id``, ``b_token``, ``b_owner``): the claim's, for eligible rows only."""
         t = self.t.tasks
         where, values, returning = self._claim_spec()
+        # a delivery with a revision is never claimed ahead (see LeaseAgent.reserved):
+        # an ask stands for a message without one, which a replaced row refuses
+        where = [*where[:2], t.c.revision.is_(None)]
         return [*where, *_eligible(t)], values, (*returning, t.c.token)
 
     def _claim_many_pg(self) -> Any:

@@ -109,6 +109,60 @@ class NewTask:
         )
 
 
+#: What a submission whose ``dedup_key`` is held does (``Unique.on_conflict``).
+ON_CONFLICT = ("return", "raise", "replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unique:
+    """When a submission's ``dedup_key`` deduplicates, and what a duplicate does.
+
+    The row holding the key deduplicates while it was created less than ``unique_for``
+    seconds ago (database time; ``None``: for ever) and its state is one of
+    ``unique_while`` (``None``: any). Otherwise the key is taken from it (its
+    ``dedup_key`` set to NULL, in the transaction that inserts the new row).
+    """
+
+    unique_for: float | None = None
+    unique_while: frozenset[State] | None = None
+    on_conflict: str = "return"
+
+    @property
+    def plain(self) -> bool:
+        """Today's dedup key: held until the row is purged, a duplicate returned."""
+        return (
+            self.unique_for is None and self.unique_while is None and self.on_conflict == "return"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """What ``on_conflict="replace"`` writes into the PENDING row it replaces: the new
+    submission's arguments and a message built for the existing task id, carrying
+    ``revision`` (a message without it, sent before, is refused at claim)."""
+
+    args: str | None
+    kwargs: str | None
+    options: str | None
+    message: str | None
+    revision: str
+    countdown: float | None = None
+    eta: datetime | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class UniqueAnswer:
+    """What a submission with uniqueness options became."""
+
+    #: The new task's id, or the existing one's.
+    task_id: str
+    #: ``"created"``, ``"duplicate"`` (the existing task holds the key; nothing written)
+    #: or ``"replaced"`` (the existing PENDING task now has the new arguments).
+    outcome: str
+    #: The existing task's state, for a duplicate.
+    state: State | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Lease:
     """One execution's hold on a task: every later write of it is fenced by these."""

@@ -153,6 +153,17 @@ def _schedules(conn: Connection, tables: Tables) -> None:
     tables.beats.create(conn, checkfirst=True)
 
 
+def _revision(conn: Connection, tables: Tables) -> None:
+    # the baseline creates today's tables, which already have the column
+    tasks = tables.tasks
+    have = {c["name"] for c in inspect(conn).get_columns(tasks.name, schema=tasks.schema)}
+    if "revision" not in have:
+        preparer = conn.dialect.identifier_preparer
+        conn.exec_driver_sql(
+            f"ALTER TABLE {preparer.format_table(tasks)} ADD COLUMN revision VARCHAR(32)"
+        )
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -179,6 +190,13 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         10, "beat: a row per periodic entry (its slots decided) and the beats seen", _schedules
+    ),
+    # a step of its own, numbered by its place in the sequence: renumbered at a merge
+    Migration(
+        SCHEMA_VERSION,
+        "tasks.revision: the arguments of a PENDING row replaced (on_conflict='replace'); "
+        "a message sent before is refused at claim",
+        _revision,
     ),
 )
 

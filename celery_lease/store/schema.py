@@ -180,7 +180,7 @@ def _greatest_sqlite(element: greatest, compiler: SQLCompiler, **kw: Any) -> str
 # -- the tables -----------------------------------------------------------------------------
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 12
 
 #: PostgreSQL's fillfactor of the tasks table (schema version 9): part of each page is
 #: left free when rows are inserted, so that the updates of a task's lifecycle (the
@@ -274,6 +274,11 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         # the broker the row's app publishes to (URL without password): a reaper only
         # publishes its own broker's rows (apps on other brokers may share the store)
         Column("origin", String(255), default=origin),
+        # a PENDING row whose arguments a later submission replaced (``on_conflict=
+        # "replace"``): the revision its current message carries in a header; a claim by
+        # a message without it (sent before the replacement) is refused, and the claim
+        # clears it. NULL on every other row (schema version 12)
+        Column("revision", String(32)),
         # only the rows that have a dedup key (most have none): a row without one adds
         # no entry at its insert, nor at each of its updates (schema version 9)
         Index(

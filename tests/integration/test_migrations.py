@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import re
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -268,10 +269,45 @@ def drop_follow_ups(store: Any, conn: Any) -> None:
 
 
 def _drop_origin(store: Any, conn: Any) -> None:
-    """Drop the ``origin`` columns schema version 8 added (an older database's shape)."""
+    """Drop the ``origin`` columns schema version 8 added (an older database's shape),
+    and the later ``revision`` (a migration adds a column last: the columns after it
+    must go too for the upgrade to give the same order)."""
+    _drop_revision(store, conn)
     preparer = store.engine.dialect.identifier_preparer
     for table in (store.t.tasks, store.t.workers):
         conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(table)} DROP COLUMN origin")
+
+
+def _drop_revision(store: Any, conn: Any) -> None:
+    """Drop the ``revision`` column schema version 12 added."""
+    table = store.engine.dialect.identifier_preparer.format_table(store.t.tasks)
+    conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN revision")
+
+
+def test_a_version_10_database_gains_the_revision_column_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    task = NewTask(
+        id="old",
+        name="t",
+        args="[]",
+        kwargs="{}",
+        options=None,
+        lease_ttl=30,
+        max_recoveries=5,
+        dedup_key="k",
+    )
+    store.submit(task)
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 10 left it
+        _drop_revision(store, conn)
+        conn.execute(t.version.delete().where(t.version.c.version > 10))
+    assert store.schema_version() == 10
+
+    assert store.migrate() == (10, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert store.submit(replace(task, id="new")) == ("old", False)
 
 
 def test_a_version_5_database_gains_the_follow_ups_column_and_keeps_its_rows(make_store):

@@ -52,6 +52,12 @@ class Task(models.Model):
     origin = models.CharField(
         max_length=255, null=True, help_text="The broker of the task's app (URL, no password)."
     )
+    revision = models.CharField(
+        max_length=32,
+        null=True,
+        help_text="Set while a PENDING task's arguments were replaced by a later submission "
+        "with its dedup key (the revision of its message).",
+    )
     eta = LeaseTimeField(null=True)
     lease_ttl = models.FloatField()
     max_runtime = models.FloatField(null=True)

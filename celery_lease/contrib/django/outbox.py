@@ -28,7 +28,7 @@ from celery.result import AsyncResult
 from celery.utils import uuid
 
 from ..._runtime import runtime
-from ...exceptions import ConfigurationError
+from ...exceptions import ConfigurationError, InvalidSubmissionValue
 from ...producer import submission as _submission
 from ...store import Store
 from ...task import LeasedTask
@@ -89,6 +89,20 @@ def apply_async_on_commit(
         )
         return task.AsyncResult(task_id)
     dedup_key = options.pop("dedup_key", None)
+    unique = _submission.uniqueness(
+        task,
+        dedup_key,
+        **{
+            k: options.pop(k) for k in ("unique_for", "unique_while", "on_conflict") if k in options
+        },
+    )
+    if unique is not None and not unique.plain:
+        raise InvalidSubmissionValue(
+            "dedup_key",
+            f"task {task.name}: unique_for, unique_while and on_conflict other than "
+            '"return" are not supported by apply_async_on_commit() (use apply_async, or a '
+            "plain dedup_key)",
+        )
     publish_only = {key: options.pop(key, None) for key in _PUBLISH_ONLY}
     rt = runtime(task.app)
     new, outgoing = _submission.prepare(

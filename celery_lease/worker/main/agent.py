@@ -74,6 +74,7 @@ from celery.worker import state as worker_state
 from ..._incarnation import Incarnation
 from ..._runtime import Runtime
 from ...exceptions import StoreError
+from ...producer.message import revision_of
 from ...store import Claim
 from .. import protocol
 
@@ -182,8 +183,10 @@ class LeaseAgent:
         return takes
 
     def reserved(self, request: Any) -> None:
-        """Celery reserved ``request`` (the main process's event loop: one send)."""
-        if self.takes(request.task):
+        """Celery reserved ``request`` (the main process's event loop: one send). A
+        message with a revision (its task's arguments were replaced) is claimed by its
+        pool process, which checks the revision."""
+        if self.takes(request.task) and revision_of(request.request_dict) is None:
             queue = (request.delivery_info or {}).get("routing_key") or ""
             self._send("R", request.id, request.name, queue)
 

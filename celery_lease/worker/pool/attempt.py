@@ -106,6 +106,8 @@ class _Delivery:
         options = self.options
         if options.max_runtime is not None or options.on_timeout != "retry":
             return None
+        if _message.revision_of(self.req) is not None:
+            return None  # a replaced task's message: its claim checks the revision
         if self.inc.flags.fenced:
             return None
         return ask_claim(self.task.app, self.task_id, self.rt.config.db_timeout * 3)
@@ -133,7 +135,11 @@ class _Delivery:
         if self._held_by_pause():
             raise Ignore()
         claim = store.claim(
-            self.task_id, inc.id, inc.actor, adopt=lambda: self._adoption(args, kwargs)
+            self.task_id,
+            inc.id,
+            inc.actor,
+            adopt=lambda: self._adoption(args, kwargs),
+            revision=_message.revision_of(self.req),
         )
         if isinstance(claim, Refusal):
             if claim.early:
