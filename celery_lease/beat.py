@@ -515,9 +515,25 @@ class _LeaseSlots:
         state.retry_at = None
         state.next_slot = state.slots.after(max(now, decision.last_slot))
         for _ in plain:
-            super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+            self._send_plain(entry, producer)
         if decision.missed or decision.skipped:
             logger.warning("beat entry %r: %s", entry.name, decision.reason)
+
+    def _send_plain(self, entry: Any, producer: Any) -> None:
+        """Send the reaper's entry as the scheduler underneath does, with a relative
+        ``expires`` counted from the database's time: Celery counts it from this host's
+        wall clock, so a beat whose clock is behind would send messages that workers
+        find expired on arrival, and the sweeps through beat would stop."""
+        options = entry.options or {}
+        expires = options.get("expires")
+        if isinstance(expires, (int, float)) and not isinstance(expires, bool):
+            entry.options = {**options, "expires": self._db_now() + timedelta(seconds=expires)}
+            try:
+                super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+            finally:
+                entry.options = options
+            return
+        super().apply_entry(entry, producer=producer)  # type: ignore[misc]
 
     def _run_slots(
         self,
