@@ -14,14 +14,17 @@ scheduler underneath sends them; for an entry whose task is leased:
   are written in it, each with the slot's dedup key, and published once it commits. A
   second beat finds the slots decided: a slot runs once whatever the number of beats.
   A beat that dies after the commit leaves PENDING rows that the reaper publishes;
-* slots that passed while no beat ran (more than :data:`ON_TIME` seconds old when a
-  beat decides them) follow the entry's catch-up policy (``lease_catchup``), slots whose
-  previous run has not finished its overlap policy (``lease_overlap``); every missed
-  or skipped slot is counted in the entry's row (``celery -A proj lease schedules``,
-  the metrics).
+* the latest due slot, if at most :data:`ON_TIME` seconds old when a beat decides it,
+  is on time; the other due slots passed with no beat to send them (all down, the
+  database unreachable, the beat held up) and follow the entry's catch-up policy
+  (``lease_catchup``, see :func:`plan`); slots whose previous run has not finished
+  follow its overlap policy (``lease_overlap``); every missed or skipped slot is
+  counted in the entry's row (``celery -A proj lease schedules``, the metrics).
 
-Every decision compares slots with the database's time; the beat's own clock only says
-when to wake up.
+Every decision compares slots with the database's time. The beat's wake-ups are timed
+from the database's time at its last store call plus the monotonic clock since, never
+from the host's wall clock: a clock step on the beat's host neither sends a slot early
+nor sleeps through one.
 """
 
 from __future__ import annotations
@@ -102,8 +105,8 @@ class SlotPolicy:
             ConfigurationError: an unknown policy, a negative or non-numeric window, a
                 ``lease_catchup_max`` below 1 (naming the entry).
         """
-        options = options or {}
-        values = {field: options.get(key, getattr(config, field)) for key, field in OPTIONS.items()}
+        given = lease_options(name, options)
+        values = {field: given.get(key, getattr(config, field)) for key, field in OPTIONS.items()}
         if values["catchup"] not in CATCHUP_POLICIES:
             raise ConfigurationError(
                 f"beat entry {name!r}: lease_catchup must be one of {CATCHUP_POLICIES}, "
@@ -124,6 +127,33 @@ class SlotPolicy:
                 f"1, got {most!r}"
             )
         return cls(values["catchup"], window, most, values["overlap"])
+
+
+def lease_options(name: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The per-entry options (:data:`OPTIONS`) of entry ``name``: from its ``options``,
+    else from ``options["headers"]`` (django-celery-beat's ``PeriodicTask`` has no field
+    for options of one's own, but its ``headers`` JSON reaches the entry's options).
+
+    Raises:
+        ConfigurationError: a ``lease_`` key that is none of :data:`OPTIONS` (a typo
+            would otherwise leave the entry on the defaults unnoticed), naming the entry.
+    """
+    options = options or {}
+    headers = options.get("headers")
+    found: dict[str, Any] = {}
+    for where, source in (("headers", headers), ("options", options)):
+        if not isinstance(source, Mapping):
+            continue
+        for key, value in source.items():
+            if not (isinstance(key, str) and key.startswith("lease_")):
+                continue
+            if key not in OPTIONS:
+                raise ConfigurationError(
+                    f"beat entry {name!r}: unknown option {key!r} in its {where} "
+                    f"(the per-entry options are {', '.join(OPTIONS)})"
+                )
+            found[key] = value  # the options' own win over the headers'
+    return found
 
 
 class Slots:
@@ -206,6 +236,11 @@ class Slots:
         return found, count
 
 
+def _fingerprint(entry: Any) -> tuple[str, str, str]:
+    """What an entry's slot state is made from: its task, schedule and options."""
+    return (str(entry.task), repr(entry.schedule), repr(entry.options))
+
+
 def slot_key(name: str, slot: datetime) -> str:
     """The dedup key of entry ``name``'s slot at ``slot``: the same on every beat."""
     key = f"beat:{name}@{slot.astimezone(timezone.utc).isoformat()}"
@@ -255,6 +290,9 @@ class _EntryState:
 
     slots: Slots
     policy: SlotPolicy
+    #: What the state was made from (:func:`_fingerprint`): an entry changed in a
+    #: database-backed schedule is checked again.
+    fingerprint: tuple[str, str, str] = ("", "", "")
     #: The next slot after those decided (UTC), or ``None``: decide at once.
     next_slot: datetime | None = None
     #: Not before this time (UTC, database clock): after a failure, or while buffering.
@@ -267,10 +305,14 @@ class _LeaseSlots:
 
     app: Any
     schedule: Any
+    adjust: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lease_entries: dict[str, _EntryState] = {}
-        self._lease_offset = timedelta(0)
+        #: Slotted entries found bad after the start: name -> their fingerprint.
+        self._lease_rejected: dict[str, tuple[str, str, str]] = {}
+        #: The database's time at the last store call, and the monotonic clock then.
+        self._lease_clock: tuple[datetime, float] | None = None
         self._lease_seen_at = 0.0
         self._lease_id = uuid.uuid4().hex
         self._lease_actor = f"beat:{socket.gethostname()}:{os.getpid()}"
@@ -328,30 +370,53 @@ class _LeaseSlots:
         policy = SlotPolicy.of(name, entry.options, config)
         slots = Slots(name, entry.schedule)
         slots.after(now)  # a schedule that cannot compute its next time fails here
-        return _EntryState(slots, policy)
+        return _EntryState(slots, policy, _fingerprint(entry))
 
     def _state(self, entry: Any) -> _EntryState | None:
-        """The entry's slot state; an entry that appeared since the start (a
-        database-backed schedule) is checked and registered now."""
-        state = self._lease_entries.get(entry.name)
-        if state is not None or not self._slotted(entry):
+        """The entry's slot state, or ``None``: not slotted, or rejected (then in
+        ``_lease_rejected``). An entry that appeared or changed since the start (a
+        database-backed schedule) is checked and registered now; a bad one is rejected,
+        with its error logged, until it changes again."""
+        name = entry.name
+        fingerprint = _fingerprint(entry)
+        state = self._lease_entries.get(name)
+        if state is not None and state.fingerprint == fingerprint:
             return state
-        try:
-            self._lease_setup({entry.name: entry})
-        except Exception:
-            logger.exception("beat entry %r: not sent (see the error)", entry.name)
+        if self._lease_rejected.get(name) == fingerprint:
             return None
-        return self._lease_entries.get(entry.name)
+        self._lease_entries.pop(name, None)
+        self._lease_rejected.pop(name, None)
+        if not self._slotted(entry):
+            return None
+        try:
+            self._lease_setup({name: entry})
+        except Exception:
+            logger.exception("beat entry %r: not sent until it changes (see the error)", name)
+            self._lease_rejected[name] = fingerprint
+            return None
+        return self._lease_entries.get(name)
 
     # -- time ------------------------------------------------------------------------
 
     def _db_now(self) -> datetime:
-        """The database's time, as estimated from this host's clock and the offset
-        measured at the last store call (only to decide when to wake up)."""
-        return datetime.now(timezone.utc) + self._lease_offset
+        """The database's time, as measured at the last store call and moved on by the
+        monotonic clock since (only to decide when to wake up). The process's wall clock
+        plays no part once a store call has answered: a step of the host's clock, back
+        or forward, neither delays a slot nor brings one forward."""
+        if self._lease_clock is None:
+            return datetime.now(timezone.utc)
+        db_time, at = self._lease_clock
+        return db_time + timedelta(seconds=time.monotonic() - at)
 
     def _measured(self, db_time: datetime) -> None:
-        self._lease_offset = db_time - datetime.now(timezone.utc)
+        self._lease_clock = (db_time, time.monotonic())
+
+    def _when(self, entry: Any, next_time_to_run: float, mktime: Any = None) -> float:
+        """The time of ``entry``'s next wake-up on Celery's heap: the estimated database
+        time plus the delay (Celery's own uses the wall clock, which a clock step moves
+        under the heap: a step back would sleep through the slots it stepped over)."""
+        delay = self.adjust(next_time_to_run) or 0
+        return self._db_now().timestamp() + delay
 
     def _see(self, *, force: bool = False) -> None:
         if not force and time.monotonic() - self._lease_seen_at < SEEN_EVERY:
@@ -374,6 +439,8 @@ class _LeaseSlots:
     def is_due(self, entry: Any) -> schedstate:
         state = self._state(entry)
         if state is None:
+            if entry.name in self._lease_rejected:  # a bad entry: never sent unslotted
+                return schedstate(False, RETRY_AFTER * 5)
             result: schedstate = super().is_due(entry)  # type: ignore[misc]
             return result
         now = self._db_now()
@@ -391,7 +458,8 @@ class _LeaseSlots:
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
         state = self._state(entry)
         if state is None:
-            super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+            if entry.name not in self._lease_rejected:
+                super().apply_entry(entry, producer=producer)  # type: ignore[misc]
             return
         try:
             self._decide(entry, state, producer)
@@ -419,7 +487,7 @@ class _LeaseSlots:
             if planned.missed and planned.last is not None:
                 reasons.append(
                     f"{planned.missed} slot(s) up to {planned.last.isoformat()} missed "
-                    f"(no beat ran), lease_catchup={policy.catchup!r}"
+                    f"(not sent in time: no beat, or no database), lease_catchup={policy.catchup!r}"
                 )
             decision = SlotDecision(
                 last_slot=planned.last or row.last_slot,
@@ -447,9 +515,25 @@ class _LeaseSlots:
         state.retry_at = None
         state.next_slot = state.slots.after(max(now, decision.last_slot))
         for _ in plain:
-            super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+            self._send_plain(entry, producer)
         if decision.missed or decision.skipped:
             logger.warning("beat entry %r: %s", entry.name, decision.reason)
+
+    def _send_plain(self, entry: Any, producer: Any) -> None:
+        """Send the reaper's entry as the scheduler underneath does, with a relative
+        ``expires`` counted from the database's time: Celery counts it from this host's
+        wall clock, so a beat whose clock is behind would send messages that workers
+        find expired on arrival, and the sweeps through beat would stop."""
+        options = entry.options or {}
+        expires = options.get("expires")
+        if isinstance(expires, (int, float)) and not isinstance(expires, bool):
+            entry.options = {**options, "expires": self._db_now() + timedelta(seconds=expires)}
+            try:
+                super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+            finally:
+                entry.options = options
+            return
+        super().apply_entry(entry, producer=producer)  # type: ignore[misc]
 
     def _run_slots(
         self,
@@ -501,7 +585,9 @@ class _LeaseSlots:
         """Write the slot's task in ``conn``'s transaction (published after its commit)."""
         task = self.app.tasks[entry.task]
         options = {k: v for k, v in (entry.options or {}).items() if k not in OPTIONS}
-        headers = dict(options.pop("headers", None) or {})
+        headers = {
+            k: v for k, v in dict(options.pop("headers", None) or {}).items() if k not in OPTIONS
+        }
         headers["celery_beat_task"] = True
         args = [a() if isinstance(a, _beat.BeatLazyFunc) else a for a in entry.args or ()]
         kwargs = {
@@ -614,6 +700,7 @@ __all__ = [
     "LeaseScheduler",
     "SlotPolicy",
     "Slots",
+    "lease_options",
     "leased",
     "plan",
     "report",

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, delete, exc, select, update
 
 from ..states import State
-from ._base import StoreBase
+from ._base import StoreBase, wrap
+from ._db import WATCHDOG
 from ._submit import outbox_transaction
 from .schema import after, db_now
 
@@ -122,17 +124,34 @@ class Schedules(StoreBase):
     def schedule_slots(self, name: str) -> Iterator[tuple[Connection, ScheduleRow, datetime]]:
         """A transaction holding entry ``name``'s row (registered first): yields the
         connection (leased tasks submitted with ``connection=`` it join it, and are
-        published once it commits), the row and the database's time."""
+        published once it commits), the row and the database's time.
+
+        The whole transaction ends within ``lease_db_timeout``, as every store call: a
+        database that stops answering (a black hole) leaves the beat with
+        :class:`~celery_lease.StoreUnavailable`, not blocked on its socket.
+
+        Raises:
+            StoreUnavailable: the database did not answer in time, or was lost.
+        """
         s = self.t.schedules
-        with outbox_transaction(self.engine) as conn:
-            q = select(s).where(s.c.name == name)
-            if self.is_pg:
-                q = q.with_for_update()
-            row = conn.execute(q).first()
-            if row is None:
-                raise LookupError(f"beat entry {name!r} has no schedule row (not registered)")
-            now: datetime = conn.execute(select(db_now())).scalar_one()
-            yield conn, ScheduleRow(**row._mapping), now
+        timeout = self.config.db_timeout
+        deadline = time.monotonic() + timeout
+        outer = WATCHDOG.arm(deadline)
+        try:
+            with outbox_transaction(self.engine) as conn:
+                q = select(s).where(s.c.name == name)
+                if self.is_pg:
+                    q = q.with_for_update()
+                row = conn.execute(q).first()
+                if row is None:
+                    raise LookupError(f"beat entry {name!r} has no schedule row (not registered)")
+                now: datetime = conn.execute(select(db_now())).scalar_one()
+                yield conn, ScheduleRow(**row._mapping), now
+        except exc.SQLAlchemyError as error:
+            late = time.monotonic() >= deadline
+            raise wrap(error, self.url, timeout=timeout if late else None) from error
+        finally:
+            WATCHDOG.disarm(outer)
 
     def advance_schedule(
         self, conn: Connection, name: str, decision: SlotDecision, actor: str

@@ -7,6 +7,7 @@ beat process. Its rows are committed, and deleted at the end."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from datetime import timedelta
@@ -82,3 +83,110 @@ def test_leased_database_scheduler_sends_each_slot_once(lease: Any, schedules: A
         assert record.args == [2, 3]
     for scheduler in (first, second):
         scheduler.close()
+
+
+def _go_back(store: Any, seconds: float) -> Any:
+    """As if no beat had run for ``seconds``: the entry's decided slots set back."""
+    s = store.t.schedules
+    with store.engine.begin() as conn:
+        back = conn.execute(select(db_now())).scalar_one() - timedelta(seconds=seconds)
+        conn.execute(update(s).where(s.c.name == ENTRY).values(last_slot=back))
+    return back
+
+
+def test_per_entry_options_come_from_the_periodic_tasks_headers(lease: Any, schedules: Any) -> None:
+    # a PeriodicTask has no field for options of one's own; its headers (JSON) reach
+    # the entry's options, and the lease_* keys there are the entry's policies
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+    from django_celery_beat.schedulers import DatabaseScheduler
+
+    from .proj import tasks  # noqa: F401  (the leased task, as the beat process imports it)
+
+    every, _ = IntervalSchedule.objects.get_or_create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(
+        name=ENTRY,
+        task="proj.tasks.add",
+        interval=every,
+        args="[2, 3]",
+        headers=json.dumps({"lease_catchup": "all", "lease_catchup_max": 3, "team": "ops"}),
+    )
+    scheduler = leased(DatabaseScheduler)(app=lease.app)
+    store = schedules
+    back = _go_back(store, 10)
+    scheduler.apply_entry(scheduler.schedule[ENTRY], producer=scheduler.producer)
+
+    (row,) = [r for r in store.schedules() if r.name == ENTRY]
+    due = round(row.last_slot.timestamp()) - math.floor(back.timestamp())
+    sent = [
+        row.last_slot - timedelta(seconds=i)
+        for i in range(due)
+        if store.task_for_key(slot_key(ENTRY, row.last_slot - timedelta(seconds=i)))
+    ]
+    # "all", at most 3: the three most recent missed slots and the one on time
+    assert sorted(sent) == [row.last_slot - timedelta(seconds=i) for i in (3, 2, 1, 0)]
+    assert row.missed == due - 4
+    assert row.last_reason is not None and "lease_catchup='all'" in row.last_reason
+    task_id = store.task_for_key(slot_key(ENTRY, row.last_slot))
+    record = store.get(task_id)
+    assert record is not None and record.message is not None
+    # the policies stay out of the task's message; the entry's other headers go with it
+    assert "lease_catchup" not in record.message and "ops" in record.message
+    scheduler.close()
+
+
+def test_a_bad_policy_in_a_periodic_tasks_headers_stops_the_scheduler_naming_it(
+    lease: Any, schedules: Any
+) -> None:
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+    from django_celery_beat.schedulers import DatabaseScheduler
+
+    from celery_lease import ConfigurationError
+
+    from .proj import tasks  # noqa: F401
+
+    every, _ = IntervalSchedule.objects.get_or_create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(
+        name=ENTRY,
+        task="proj.tasks.add",
+        interval=every,
+        args="[2, 3]",
+        headers=json.dumps({"lease_catchup": "sometimes"}),
+    )
+    with pytest.raises(ConfigurationError, match=rf"beat entry '{ENTRY}'.*lease_catchup"):
+        leased(DatabaseScheduler)(app=lease.app)
+    assert schedules.schedules() == [] and schedules.beats(seen_within=3600) == []
+
+
+def test_a_bad_entry_added_while_the_beat_runs_is_never_sent_until_it_is_fixed(
+    lease: Any, schedules: Any
+) -> None:
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+    from django_celery_beat.schedulers import DatabaseScheduler
+
+    from .proj import tasks  # noqa: F401
+
+    every, _ = IntervalSchedule.objects.get_or_create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name=ENTRY, task="proj.tasks.add", interval=every, args="[2, 3]")
+    scheduler = leased(DatabaseScheduler)(app=lease.app)
+    store = schedules
+    bad = PeriodicTask.objects.create(
+        name="later",
+        task="proj.tasks.add",
+        interval=every,
+        args="[4, 5]",
+        headers=json.dumps({"lease_overlap": "queue"}),
+    )
+    entry = scheduler.schedule["later"]
+    # rejected, with its error logged: not sent in slots, nor as a plain entry
+    assert not scheduler.is_due(entry).is_due
+    scheduler.apply_entry(entry, producer=scheduler.producer)
+    assert "later" not in {r.name for r in store.schedules()}
+    assert [r for r in store.list_tasks(name="proj.tasks.add") if r.args == [4, 5]] == []
+
+    bad.headers = json.dumps({"lease_overlap": "skip"})  # fixed: checked again
+    bad.save()
+    entry = scheduler.schedule["later"]
+    assert scheduler.is_due(entry).is_due
+    scheduler.apply_entry(entry, producer=scheduler.producer)
+    assert "later" in {r.name for r in store.schedules()}
+    scheduler.close()

@@ -285,3 +285,38 @@ def test_the_submission_benchmark_prints_its_table(pg_url: str, redis_url: str) 
         assert float(cells[3].replace(",", "")) > 0  # calls per second
         assert float(cells[5]) > 0  # client CPU per call
     assert "where a .delay() spends its time" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(600)
+def test_the_beat_failover_benchmark_prints_its_figures(pg_url: str, redis_url: str) -> None:
+    proc = _run(
+        ["bench_beat_failover.py", "--seconds", "30"],
+        REPO_ROOT / "benchmarks",
+        pg_url,
+        redis_url,
+        500,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    (figures,) = [t for t in _tables(proc.stdout) if t[0][0] == "slots"]
+    assert figures[0] == [
+        "slots",
+        "ran once",
+        "ran twice",
+        "covered by a beat",
+        "missed while a beat was up",
+        "while no beat was up",
+        "of which ran (catch-up)",
+        "written, never run",
+        "entry's missed counter",
+    ]
+    (row,) = figures[1:]
+    values = [int(_number(cell)) for cell in row]
+    slots, once, twice, covered, _, uncovered, uncovered_ran, never_run, _ = values
+    assert slots >= 20 and covered + uncovered == slots and uncovered_ran <= uncovered
+    # counted by the task itself: whatever the beats went through, no slot ran twice
+    # and every slot written ran (how many were missed depends on the machine's load)
+    assert twice == 0 and never_run == 0 and once <= slots
+    assert re.search(r"\d+ kills, \d+ starts", proc.stdout), proc.stdout[-2000:]

@@ -108,3 +108,26 @@ def test_leased_takes_a_scheduler_class_only_and_leases_it_once() -> None:
     assert issubclass(LeaseScheduler, PersistentScheduler)
     with pytest.raises(ConfigurationError, match=r"celery\.beat\.Scheduler subclass"):
         leased(dict)  # type: ignore[type-var]
+
+
+def test_per_entry_options_are_read_from_the_options_then_from_the_headers() -> None:
+    from celery_lease.beat import lease_options
+
+    options = {
+        "queue": "q",
+        "lease_catchup": "all",
+        "headers": {"lease_catchup": "skip", "lease_overlap": "skip", "team": "ops"},
+    }
+    assert lease_options("e", options) == {"lease_catchup": "all", "lease_overlap": "skip"}
+    assert lease_options("e", None) == {} and lease_options("e", {"headers": None}) == {}
+    got = SlotPolicy.of("e", options, LeaseConfig(database_url="sqlite://"))
+    assert (got.catchup, got.overlap) == ("all", "skip")
+
+
+@pytest.mark.parametrize("where", ["options", "headers"])
+def test_an_unknown_lease_option_names_the_entry(where: str) -> None:
+    options: dict[str, object] = {"lease_catchupp": "all"}
+    if where == "headers":
+        options = {"headers": options}
+    with pytest.raises(ConfigurationError, match=rf"'nightly'.*'lease_catchupp' in its {where}"):
+        SlotPolicy.of("nightly", options, LeaseConfig(database_url="sqlite://"))
