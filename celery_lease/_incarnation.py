@@ -29,7 +29,7 @@ class SharedFlags:
     _DEADLINE = struct.Struct("d")
 
     def __init__(self) -> None:
-        self._mem = mmap.mmap(-1, 16)
+        self._mem = mmap.mmap(-1, 24)
 
     @property
     def fenced(self) -> bool:
@@ -41,6 +41,21 @@ class SharedFlags:
     @fenced.setter
     def fenced(self, value: bool) -> None:
         self._mem[0] = 1 if value else 0
+
+    def claimable(self, interval: float) -> bool:
+        """Whether a claim may be made now: not fenced, and the heartbeat's deadline far
+        enough away that the next renewal (every ``interval`` seconds) can land before
+        the new lease could lapse: at least ``min(interval, ttl - interval)`` seconds,
+        which a heartbeat renewing on time always leaves. A claim made just before the
+        deadline passes would be expired by any reaper as soon as it is made and its
+        run repeated; its delivery waits for the next heartbeat instead."""
+        if self._mem[0] == 1:
+            return False
+        deadline = self.deadline
+        if deadline <= 0:
+            return True
+        margin = max(0.0, min(interval, self.ttl - interval))
+        return time.monotonic() < deadline - margin
 
     @property
     def raised(self) -> bool:
@@ -55,6 +70,15 @@ class SharedFlags:
     @deadline.setter
     def deadline(self, value: float) -> None:
         self._DEADLINE.pack_into(self._mem, 8, value)
+
+    @property
+    def ttl(self) -> float:
+        """The heartbeat's TTL: how far each renewal moves the deadline."""
+        return float(self._DEADLINE.unpack_from(self._mem, 16)[0])
+
+    @ttl.setter
+    def ttl(self, value: float) -> None:
+        self._DEADLINE.pack_into(self._mem, 16, value)
 
 
 class Incarnation:

@@ -295,6 +295,8 @@ class _Agent:
         self.batch_size = cfg.claim_batch_size
         self.interval = cfg.claim_interval
         self.window = cfg.claim_ahead_window
+        #: the heartbeat's interval: no claim too close to its deadline
+        self.margin = cfg.heartbeat_interval
         self.parent = parent
         self.listener = listener
         self.main = main
@@ -469,7 +471,7 @@ class _Agent:
         while fewer claims wait than the pool processes start within twice
         ``_GATHER`` (at least one round), ``_GATHER`` once that cushion is there
         (more claims per statement)."""
-        if not self.entries or self.inc.flags.fenced:
+        if not self.entries or not self.inc.flags.claimable(self.margin):
             self.gather_until = 0.0  # nothing to claim: sleep until a message comes
             return False
         for _, task_id in self.asks:
@@ -523,7 +525,7 @@ class _Agent:
             else:
                 tokens[uuid.uuid4().hex] = entry
         claims: dict[str, Claim] = {}
-        if tokens and self.inc.flags.fenced:
+        if tokens and not self.inc.flags.claimable(self.margin):
             # fenced since the batch was chosen: claim nothing (the pool processes
             # publish their deliveries again, due after the heartbeat recovers)
             for entry in tokens.values():

@@ -69,6 +69,7 @@ class Heartbeat(threading.Thread):
         self.superseded = False
         self._stop_event = threading.Event()
         self._last_ok = time.monotonic()
+        incarnation.flags.ttl = ttl
         incarnation.flags.deadline = self._last_ok + ttl
 
     def stop(self) -> None:

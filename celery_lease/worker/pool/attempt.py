@@ -108,7 +108,7 @@ class _Delivery:
             return None
         if _message.revision_of(self.req) is not None:
             return None  # a replaced task's message: its claim checks the revision
-        if self.inc.flags.fenced:
+        if not self.inc.flags.claimable(self.rt.config.heartbeat_interval):
             return None
         return ask_claim(self.task.app, self.task_id, self.rt.config.db_timeout * 3)
 
@@ -124,7 +124,8 @@ class _Delivery:
         # LeasedRequest.on_failure and the main process does it later). Any other
         # delivery goes on to the claim, which drops a copy or adopts a message without
         # a row.
-        if inc.flags.fenced and self._publish_again(self.rt.config.heartbeat_interval):
+        interval = self.rt.config.heartbeat_interval
+        if not inc.flags.claimable(interval) and self._publish_again(interval):
             logger.info(
                 "task %s[%s]: delivery dropped without running (worker %s is self-fenced)",
                 task.name,
