@@ -253,3 +253,23 @@ def test_an_eta_that_is_not_a_datetime_is_refused_and_nothing_written(
         task.submit_many([{"args": (1, 2), "eta": eta}])
     assert admin(p.module.app).tasks() == []
     assert queue_depth(redis_url, p.project.queue) == 0
+
+
+def test_a_paused_task_names_held_rows_wait_for_the_resume(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    p = lease_env.project(broker_url=redis_url, hold_eta_after=0.0)
+    api = admin(p.module.app)
+    api.pause(task="t.add", reason="incident")
+    task_id = p.submit("t.add", 1, 2, countdown=0.5)
+    wait_due(p, task_id)
+    assert api.reap().released == 0  # due, but its task name is paused: still held
+    assert held_ids(p) == [task_id]
+    assert queue_depth(redis_url, p.project.queue) == 0
+
+    assert api.resume(task="t.add", reason="over")  # its sweep publishes it
+    assert held_ids(p) == []
+    assert queue_depth(redis_url, p.project.queue) == 1
+    p.worker(worker_name())
+    p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+    assert p.external.count("add") == 1
