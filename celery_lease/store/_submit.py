@@ -60,7 +60,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -536,9 +536,9 @@ class Submission(StoreBase):
 
     def holds(self, countdown: float | None, eta: datetime | None) -> bool:
         """Whether a submission due in ``countdown`` seconds, or at ``eta``, is held: due
-        more than ``lease_hold_eta_after`` seconds from now, by the database's clock (on
-        PostgreSQL read at most once a minute and followed by this process's monotonic
-        clock meanwhile; a SQLite file's clock is this host's)."""
+        more than ``lease_hold_eta_after`` seconds from now, by the database's clock
+        (read at most once a minute, and followed by this process's monotonic clock
+        meanwhile)."""
         hold_after = self.config.hold_eta_after
         if hold_after is None:
             return False
@@ -550,12 +550,12 @@ class Submission(StoreBase):
 
     def database_time(self) -> datetime:
         """The database's clock now (see :meth:`holds`)."""
-        if not self.is_pg:
-            return datetime.now(timezone.utc)
 
         def read() -> datetime:
             value: datetime = self._read(
-                lambda conn: conn.execute(select(func.clock_timestamp())).scalar_one()
+                lambda conn: conn.execute(
+                    select(func.clock_timestamp() if self.is_pg else db_now())
+                ).scalar_one()
             )
             return value
 
