@@ -50,6 +50,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("operations", "bench_operations"),
     ("backlog", "bench_backlog"),
     ("capacity", "bench_capacity"),
+    ("held", "bench_held"),
 ]
 
 

@@ -13,6 +13,8 @@ Points (where they are called):
 * ``after_publish``: ``LeasedTask._publish``, the message is published, the row is not
   yet marked published.
 * ``reaper_mid_sweep``: ``Reaper.sweep``, between two full batches of one sweep.
+* ``reaper_took_held``: ``Reaper.publish_held``, a batch of held rows taken (no longer
+  held, reserved for publishing), none of them published yet.
 * ``beat_slot_rows``: ``celery_lease.beat``, the transaction that decided a leased
   entry's slots committed its tasks' rows, none of them published yet.
 * ``outcome_buffered``: the worker's outcome writer (its main process) has read an

@@ -73,6 +73,7 @@ KINDS: dict[str, str] = {
     ),
     "unpublished": "PENDING, never published, past lease_publish_grace (reaper not running?)",
     "republish_overdue": "PENDING, published, unclaimed past its re-publish window",
+    "held_overdue": "PENDING, held until its ETA, still held past it (reaper not running?)",
     "retry_overdue": "RETRY_WAIT past next_retry_at (reaper not running?)",
     "stuck_timeout": "resting in TIMEOUT, which only exists inside an expiry",
     "follow_ups_overdue": (
@@ -160,9 +161,9 @@ def check(
         grace: seconds allowed beyond each liveness deadline (default: one
             ``lease_reaper_interval``; raise it when the reaper runs less often).
         liveness: also report what only a running reaper would have fixed by now
-            (``dead_owner``, ``unpublished``, ``republish_overdue``, ``retry_overdue``,
-            ``stuck_timeout``, ``follow_ups_overdue``). Safety invariants are always
-            checked.
+            (``dead_owner``, ``unpublished``, ``republish_overdue``, ``held_overdue``,
+            ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``). Safety
+            invariants are always checked.
 
     Returns:
         The violations found, grouped by task; empty when everything holds.
@@ -263,6 +264,7 @@ def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterat
     for kind in (
         "unpublished",
         "republish_overdue",
+        "held_overdue",
         "retry_overdue",
         "stuck_timeout",
         "follow_ups_overdue",

@@ -273,6 +273,12 @@ class LeaseConfig:
     #: Beat: a slot whose previous run has not finished: ``"allow"``, ``"skip"`` or
     #: ``"buffer_one"``.
     overlap: str = "allow"
+    #: A leased task submitted with an ETA (``eta``/``countdown``) more than this many
+    #: seconds away (database time) is written to its row, *held*, and not published:
+    #: the reaper publishes its stored message when it is due. No broker visibility
+    #: timeout can redeliver it meanwhile and no worker's memory holds it. ``None``:
+    #: every task is published at once, its ETA waited for by a worker, as in Celery.
+    hold_eta_after: float | None = 60.0
 
     _tuning: ClassVar[Tuning]
 
@@ -291,6 +297,7 @@ class LeaseConfig:
             ("lease_max_runtime", self.max_runtime, False, MAX_SECONDS),
             ("lease_retention", self.retention, False, MAX_SECONDS),
             ("lease_catchup_window", self.catchup_window, True, MAX_SECONDS),
+            ("lease_hold_eta_after", self.hold_eta_after, True, MAX_SECONDS),
         ):
             if seconds is not None:
                 check_seconds(key, seconds, zero=zero, maximum=maximum)
@@ -439,12 +446,13 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "lease_catchup_window": ("catchup_window", float),
     "lease_catchup_max": ("catchup_max", int),
     "lease_overlap": ("overlap", str),
+    "lease_hold_eta_after": ("hold_eta_after", float),
 }
 
 SETTINGS: tuple[str, ...] = tuple(_FIELDS)
 
 #: Settings whose ``None`` is a value of its own (not "unset, use the default").
-_NONE_MEANS_OFF = frozenset({"lease_retention"})
+_NONE_MEANS_OFF = frozenset({"lease_retention", "lease_hold_eta_after"})
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:

@@ -25,7 +25,7 @@ from .producer import publisher as _publisher
 from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State, parse_state
-from .store import Store
+from .store import Held, Store
 from .worker.pool.execution import encode
 
 #: States ``purge`` deletes by default: finished work nobody will act on.
@@ -177,6 +177,13 @@ class Admin(PauseOps, BulkOps):
             worker=worker,
             limit=limit,
         )
+
+    def held(self, name: str | None = None, limit: int = 100) -> builtins.list[Held]:
+        """The tasks held in the store until their ETA (``lease_hold_eta_after``),
+        soonest first, optionally of one task name: the reaper publishes each when due."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        return self.store.held(name=name, limit=limit)
 
     #: Deprecated first name of :meth:`tasks` (it shadows the builtin inside the class).
     list = _DeprecatedName("list", "tasks")

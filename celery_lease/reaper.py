@@ -50,6 +50,9 @@ class ReapReport:
     follow_ups: int = 0
     #: Published rows not re-published: the broker says their queue still holds messages.
     held: int = 0
+    #: Rows held in the store until their ETA (``lease_hold_eta_after``) published
+    #: because they are due.
+    released: int = 0
     #: Audit rows folded into the transition totals (not an action: not in ``total``).
     folded: int = 0
     #: RUNNING rows whose stored ``lease_ttl`` or ``max_runtime`` is out of range (an
@@ -70,6 +73,7 @@ class ReapReport:
             self.expired
             + self.overrun
             + self.due
+            + self.released
             + self.republished
             + self.follow_ups
             + self.purged
@@ -110,6 +114,7 @@ class Reaper:
         # publish is bounded (see _broker), and once the broker failed or did not answer
         # this sweep asks it nothing more: the rows wait for the next sweep
         self.publish_due(report)
+        self.publish_held(report)
         guard = backlog_guard(self.app, self.store.config.republish_after)
 
         def republish(rows: Sequence[Publishable]) -> tuple[int, int]:
@@ -175,6 +180,18 @@ class Reaper:
             report, lambda: self.store.take_due_retries(actor=self.actor), self.publish
         )
         return report.due
+
+    def publish_held(self, report: ReapReport | None = None) -> int:
+        """Publish the rows held until their ETA (``lease_hold_eta_after``) that are due
+        within one reaper interval, with their stored messages."""
+        report = self._phase(report)
+        report.released += self._publish_batches(report, self._take_held, self.publish)
+        return report.released
+
+    def _take_held(self) -> list[Publishable]:
+        rows = self.store.take_held()
+        crash_point("reaper_took_held")
+        return rows
 
     def publish_follow_ups(self, report: ReapReport | None = None) -> int:
         """Publish the follow-ups recorded with a success and not marked published

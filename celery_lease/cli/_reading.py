@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -24,6 +25,11 @@ from ._render import TASK_HEADERS, Table, _paint_state, _print_json, ago, rate, 
 @click.option("--worker", "-w", help="Only tasks owned by this worker (node name or id).")
 @click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--ids", "-q", "ids_only", is_flag=True, help="Print task ids only.")
+@click.option(
+    "--scheduled",
+    is_flag=True,
+    help="Only the tasks held in the store until their ETA (lease_hold_eta_after), soonest first.",
+)
 @json_option
 @click.pass_context
 @handle_errors
@@ -35,10 +41,19 @@ def list_(
     worker: str | None,
     limit: int,
     ids_only: bool,
+    scheduled: bool,
     as_json: bool,
 ) -> None:
-    """List tasks, newest first."""
+    """List tasks, newest first (with --scheduled: the held ones, soonest ETA first)."""
     api = _admin(ctx)
+    if scheduled:
+        if state is not None or older_than is not None or worker is not None:
+            raise click.UsageError(
+                "--scheduled lists PENDING tasks held until their ETA: it takes --name and "
+                "--limit, not --state, --older-than or --worker"
+            )
+        _list_held(ctx, api, name, limit, ids_only, as_json)
+        return
     rows = api.tasks(state=state, name=name, older_than=older_than, worker=worker, limit=limit)
     if as_json:
         _print_json([r.as_dict() for r in rows])
@@ -61,6 +76,32 @@ def list_(
     table.render(_color(ctx))
     more = " (limit reached: --limit to see more)" if len(rows) == limit else ""
     click.echo(f"{len(rows)} task{'s' if len(rows) != 1 else ''}{more}", err=True)
+
+
+def _list_held(
+    ctx: click.Context, api: Any, name: str | None, limit: int, ids_only: bool, as_json: bool
+) -> None:
+    """``lease list --scheduled``: the held rows, each with its ETA."""
+    rows = api.held(name=name, limit=limit)
+    if as_json:
+        _print_json([dataclasses.asdict(r) for r in rows])
+        return
+    if ids_only:
+        for r in rows:
+            click.echo(r.id)
+        return
+    if not rows:
+        click.echo("No tasks held until their ETA.", err=True)
+        return
+    now = api.store.now()
+    table = Table(["ID", "NAME", "ETA", "DUE IN", "CREATED"], {})
+    for r in rows:
+        due = None if r.eta is None else (r.eta - now).total_seconds()
+        eta = "-" if r.eta is None else r.eta.isoformat(timespec="seconds")
+        table.add(r.id, r.name, eta, span(due), ago(r.created_at, now))
+    table.render(_color(ctx))
+    more = " (limit reached: --limit to see more)" if len(rows) == limit else ""
+    click.echo(f"{len(rows)} held task{'s' if len(rows) != 1 else ''}{more}", err=True)
 
 
 def actions(record: Any, steps: Sequence[Any], app_option: str) -> list[dict[str, str]]:

@@ -91,7 +91,8 @@ def prepare(
         NotSerializable: the task's serializer refuses the arguments.
         InvalidSubmission: an argument is outside the documented limits.
     """
-    config = runtime(task.app).config
+    rt = runtime(task.app)
+    config = rt.config
     eta = options.get("eta")
     if isinstance(eta, datetime) and eta.tzinfo is None:
         eta = eta.replace(tzinfo=task.app.timezone)
@@ -143,6 +144,8 @@ def prepare(
         countdown=when.countdown,
         eta=when.eta,
         message=message,
+        # due far ahead: written, and published by the reaper when due
+        held=rt.store.holds(when.countdown, when.eta),
     )
     return new, outgoing
 
@@ -241,7 +244,11 @@ def submit(
         from .outbox import submit_in_transaction
 
         return submit_in_transaction(
-            task, rt, new, connection, lambda: publish(task, rt, outgoing, producer)
+            task,
+            rt,
+            new,
+            connection,
+            (lambda: None) if new.held else (lambda: publish(task, rt, outgoing, producer)),
         )
     tid, created = rt.store.submit(new)
     crash_point("after_insert")
@@ -255,6 +262,9 @@ def submit(
             else "this task id is already submitted and not finished (or cancelled)",
         )
         return task.AsyncResult(tid)
+    if new.held:
+        logger.debug("task %s[%s]: held until its ETA, the reaper publishes it", task.name, tid)
+        return outgoing.result
     return publish(task, rt, outgoing, producer)
 
 
@@ -465,7 +475,10 @@ class _Batch:
             answers = written
             crash_point("after_replace_recorded")
         crash_point("after_insert")
-        created = [p for p, (_, made) in zip(self.items, answers, strict=True) if made]
+        # the rows held (due far ahead) are published by the reaper when due
+        created = [
+            p for p, (_, made) in zip(self.items, answers, strict=True) if made and not p.new.held
+        ]
         sent: list[str] = []
         try:
             # a producer of our own: the one a caller passed to apply_async (Celery's

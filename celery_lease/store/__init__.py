@@ -46,6 +46,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    true,
 )
 
 from ..records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord, loads
@@ -76,6 +77,7 @@ from ._types import (
     Filter,
     Fold,
     FollowUps,
+    Held,
     InvariantPage,
     JoinedSubmission,
     Lease,
@@ -354,6 +356,10 @@ class Store(UniqueSubmission, Claims, Outcomes, Sweeps, Operator, Schedules, Sch
             t.c.state == State.PENDING.value,
             message_lost(self.t, self.config.republish_after, grace),
         )
+        # the held sweep publishes a row before its ETA: one still held past it is late
+        held_overdue = and_(
+            t.c.state == State.PENDING.value, t.c.held == true(), after(t.c.eta, grace) < now
+        )
         retry_overdue = and_(
             t.c.state == State.RETRY_WAIT.value, after(t.c.next_retry_at, grace) < now
         )
@@ -390,6 +396,7 @@ class Store(UniqueSubmission, Claims, Outcomes, Sweeps, Operator, Schedules, Sch
                 dead_owner.label("dead_owner"),
                 unpublished.label("unpublished"),
                 republish_overdue.label("republish_overdue"),
+                held_overdue.label("held_overdue"),
                 retry_overdue.label("retry_overdue"),
                 stuck_timeout.label("stuck_timeout"),
                 follow_ups_overdue.label("follow_ups_overdue"),
@@ -442,6 +449,7 @@ __all__ = [
     "Filter",
     "Fold",
     "FollowUps",
+    "Held",
     "InvariantPage",
     "JoinedSubmission",
     "JoinedTransaction",

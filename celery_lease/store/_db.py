@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -310,6 +310,17 @@ class DbClock:
     def saw(self, db_time: datetime) -> None:
         """A statement just answered with the database's clock ``db_time``."""
         self._sample = (db_time, time.monotonic())
+
+    def now(self, read: Callable[[], datetime]) -> datetime:
+        """The database's clock now, estimated from the last reading and this process's
+        monotonic time since (``read``: a fresh reading, taken when the last one is older
+        than :data:`_CLOCK_SAMPLE_MAX_AGE`)."""
+        sample = self._sample
+        if sample is None or time.monotonic() - sample[1] > _CLOCK_SAMPLE_MAX_AGE:
+            value = read()
+            sample = self._sample = (value, time.monotonic())
+        db_time, seen = sample
+        return db_time + timedelta(seconds=time.monotonic() - seen)
 
     def deadline(self, conn: Connection, timeout: float) -> datetime:
         """The calling store call's deadline in database time, a little early (``timeout``:

@@ -60,10 +60,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
+    Boolean,
     ColumnElement,
     Connection,
     DateTime,
@@ -120,6 +122,7 @@ _SUBMIT = (
     "on_timeout",
     "on_exhausted",
     "max_recoveries",
+    "held",
 )
 
 
@@ -499,6 +502,7 @@ _FIELDS: tuple[tuple[str, Any], ...] = (
     ("on_timeout", String),
     ("on_exhausted", String),
     ("max_recoveries", Integer),
+    ("held", Boolean),
     ("countdown", Float),
     ("eta", DateTime(timezone=True)),
     ("n", Integer),  # the row's place in the batch
@@ -529,6 +533,33 @@ class Submission(StoreBase):
         self._group = GroupCommit(self._submit_alone, self.submit_many)
         #: The database's clock, for the deadline of a submission in database time.
         self._db_clock = DbClock()
+
+    def holds(self, countdown: float | None, eta: datetime | None) -> bool:
+        """Whether a submission due in ``countdown`` seconds, or at ``eta``, is held: due
+        more than ``lease_hold_eta_after`` seconds from now, by the database's clock
+        (read at most once a minute, and followed by this process's monotonic clock
+        meanwhile)."""
+        hold_after = self.config.hold_eta_after
+        if hold_after is None:
+            return False
+        if countdown is not None:
+            return countdown > hold_after
+        if eta is None:
+            return False
+        return (eta - self.database_time()).total_seconds() > hold_after
+
+    def database_time(self) -> datetime:
+        """The database's clock now (see :meth:`holds`)."""
+
+        def read() -> datetime:
+            value: datetime = self._read(
+                lambda conn: conn.execute(
+                    select(func.clock_timestamp() if self.is_pg else db_now())
+                ).scalar_one()
+            )
+            return value
+
+        return self._db_clock.now(read)
 
     def submit(self, new: NewTask, conn: Executor | None = None) -> tuple[str, bool]:
         """Insert a PENDING row; returns (task id, created). A duplicate dedup key or id

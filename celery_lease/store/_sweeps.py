@@ -25,6 +25,7 @@ from sqlalchemy import (
     not_,
     or_,
     select,
+    true,
     tuple_,
     update,
 )
@@ -34,7 +35,7 @@ from .. import policy
 from ..config import MAX_SECONDS
 from ..states import STEP_STARTED, State
 from ._base import StoreBase, state_is
-from ._types import Expiry, FollowUps, Lease, Peer, Publishable
+from ._types import Expiry, FollowUps, Held, Lease, Peer, Publishable
 from .schema import (
     after,
     db_now,
@@ -327,12 +328,65 @@ class Sweeps(StoreBase):
                 reason="retry due: re-published",
                 actor=actor,
                 # a new run of the row: its lost-message backoff starts over
-                values={"published_at": None, "eta": None, "publish_count": 0},
+                values={"published_at": None, "eta": None, "publish_count": 0, "held": False},
                 returning=self._publishable_columns(),
             )
             return self._publishable(rows)
 
         return self._tx(op)
+
+    def take_held(self, *, limit: int | None = None) -> list[Publishable]:
+        """Held rows (due far ahead when submitted) whose ETA comes within one
+        ``lease_reaper_interval``: no longer held, and reserved for publishing now
+        with their stored message (a worker waits out what is left of the ETA, at most
+        one interval, so the task starts on time, not up to an interval late).
+
+        Read through the partial index on ``eta`` of the held rows: the sweep costs
+        the rows due, not the rows held. On PostgreSQL the rows are taken ``FOR UPDATE
+        SKIP LOCKED`` and released in the same transaction, so two reapers never take
+        one row (on SQLite the transaction holds the file's write lock). A row that
+        left PENDING while held (cancelled) only loses its mark: nothing is published.
+        A paused task name's rows stay held until the pause ends. If the reaper dies
+        before publishing, the rows are PENDING and unpublished, and the grace sweep
+        (:meth:`take_unpublished`) publishes them."""
+        t = self.t.tasks
+        cfg = self.config
+        batch = limit or cfg.reaper_batch_size
+
+        def op(conn: Connection, _: bool) -> list[Publishable]:
+            q = (
+                select(t.c.id)
+                .where(t.c.held == true(), t.c.eta <= after(db_now(), cfg.reaper_interval))
+                .where(self.paused_names_clause())  # held until the pause ends
+                .where(published_by(self.t, cfg.origin))  # another broker's: its own app's
+                .order_by(t.c.eta)
+                .limit(batch)
+            )
+            ids = self._take_ids(conn, q)
+            if not ids:
+                return []
+            conn.execute(
+                update(t)
+                .where(t.c.id.in_(ids), t.c.state != State.PENDING.value)
+                .values(held=False)
+            )
+            return self._reserve(conn, ids)
+
+        return self._tx(op)
+
+    def held(self, *, limit: int = 100, name: str | None = None) -> list[Held]:
+        """The held rows, soonest ETA first (``lease list --scheduled``)."""
+        t = self.t.tasks
+        q = (
+            select(t.c.id, t.c.name, t.c.eta, t.c.created_at)
+            .where(t.c.held == true(), t.c.state == State.PENDING.value)
+            .order_by(t.c.eta, t.c.id)
+            .limit(limit)
+        )
+        if name is not None:
+            q = q.where(t.c.name == name)
+        rows = self._read(lambda conn: conn.execute(q).all())
+        return [Held(str(r.id), str(r.name), r.eta, r.created_at) for r in rows]
 
     def take_pending(self, task_ids: Sequence[str]) -> list[Publishable]:
         """These rows, if still PENDING, reserved for publishing again at once (their
@@ -372,7 +426,8 @@ class Sweeps(StoreBase):
         rows = conn.execute(
             update(t)
             .where(t.c.id.in_(ids), t.c.state == State.PENDING.value)
-            .values(published_at=None, updated_at=db_now())
+            # published now: no longer held for its ETA (if it was)
+            .values(published_at=None, updated_at=db_now(), held=False)
             .returning(t.c.id, *self._publishable_columns())
         ).all()
         return self._publishable(rows)

@@ -71,6 +71,9 @@ class NewTask:
     #: again after a crash), not a new submission: a row with its id, even finished,
     #: is this task (see ``Store.submit``).
     resend: bool = False
+    #: Written and not published: its ETA is far ahead (``lease_hold_eta_after``); the
+    #: reaper publishes the stored message when it is due.
+    held: bool = False
 
     @classmethod
     def of(
@@ -87,6 +90,7 @@ class NewTask:
         eta: datetime | None = None,
         message: str | None = None,
         resend: bool = False,
+        held: bool = False,
     ) -> NewTask:
         """The row of a task submitted with ``lease`` options."""
         return cls(
@@ -106,6 +110,7 @@ class NewTask:
             on_exhausted=lease.on_exhausted,
             message=message,
             resend=resend,
+            held=held,
         )
 
 
@@ -211,6 +216,17 @@ class Publishable:
     message: str | None = None
     #: The broker of the row's app (``None``: not recorded): only that app publishes it.
     origin: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A PENDING row held in the store until its ETA (``lease list --scheduled``)."""
+
+    id: str
+    name: str
+    #: When it is due (database time); the reaper publishes it then.
+    eta: datetime | None
+    created_at: datetime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +394,7 @@ class InvariantPage:
     ``tasks`` rows carry the task's own columns (``id``, ``state``, ``attempt``,
     ``token``, ``owner``, ``reason``), the owner's ``nodename`` and one boolean per
     liveness deadline passed (``dead_owner``, ``unpublished``, ``republish_overdue``,
-    ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``); ``audits`` and
+    ``held_overdue``, ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``); ``audits`` and
     ``steps`` are the pages' audit and step rows, ordered by task."""
 
     tasks: list[Row[Any]]

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from sqlalchemy import Connection, insert, inspect, select
-from sqlalchemy.schema import CreateSchema, DropSchema
+from sqlalchemy.schema import CreateColumn, CreateSchema, DropSchema
 
 from ..exceptions import SchemaOutOfDate
 from ._base import StoreBase
@@ -153,6 +153,19 @@ def _schedules(conn: Connection, tables: Tables) -> None:
     tables.beats.create(conn, checkfirst=True)
 
 
+def _held(conn: Connection, tables: Tables) -> None:
+    # the baseline creates today's tables, which already have the column
+    tasks = tables.tasks
+    have = {c["name"] for c in inspect(conn).get_columns(tasks.name, schema=tasks.schema)}
+    if "held" not in have:
+        preparer = conn.dialect.identifier_preparer
+        column = CreateColumn(tasks.c.held).compile(dialect=conn.dialect)
+        conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(tasks)} ADD COLUMN {column}")
+    for index in tasks.indexes:
+        if index.name == f"{tasks.name}_held_eta":
+            index.create(conn, checkfirst=True)
+
+
 def _revision(conn: Connection, tables: Tables) -> None:
     # the baseline creates today's tables, which already have the column
     tasks = tables.tasks
@@ -191,9 +204,13 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         10, "beat: a row per periodic entry (its slots decided) and the beats seen", _schedules
     ),
-    # a step of its own, numbered by its place in the sequence: renumbered at a merge
     Migration(
-        SCHEMA_VERSION,
+        11,
+        "tasks.held: a task due far ahead written and not published until due; its index by ETA",
+        _held,
+    ),
+    Migration(
+        12,
         "tasks.revision: the arguments of a PENDING row replaced (on_conflict='replace'); "
         "a message sent before is refused at claim",
         _revision,

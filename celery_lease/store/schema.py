@@ -195,6 +195,11 @@ TASKS_FILLFACTOR = 70
 #: same words can use the partial index on ``finished_at`` whatever plan it gets.
 FINISHED_SQL = "state IN ('SUCCEEDED', 'FAILED', 'CANCELLED')"
 
+#: The held rows (schema version 11), in the words each database's planner matches
+#: against a query's ``held = true`` (PostgreSQL simplifies it to ``held``; SQLite
+#: stores a boolean as 1 and matches the term as written).
+HELD_SQL = {"postgresql": "held", "sqlite": "held = 1"}
+
 _ID = String(255)
 
 
@@ -274,6 +279,9 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         # the broker the row's app publishes to (URL without password): a reaper only
         # publishes its own broker's rows (apps on other brokers may share the store)
         Column("origin", String(255), default=origin),
+        # a PENDING row whose ETA was far away when it was submitted, written and not
+        # published: the reaper publishes it when its ETA is due (schema version 11)
+        Column("held", Boolean, nullable=False, server_default=false()),
         # a PENDING row whose arguments a later submission replaced (``on_conflict=
         # "replace"``): the revision its current message carries in a header; a claim by
         # a message without it (sent before the replacement) is refused, and the claim
@@ -317,6 +325,14 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
             "follow_ups_at",
             postgresql_where=text("follow_ups_at IS NOT NULL"),
             sqlite_where=text("follow_ups_at IS NOT NULL"),
+        ),
+        # the reaper's sweep of held rows, by ETA: only the held rows have an entry, so
+        # the sweep reads the rows that are due and no other
+        Index(
+            f"{prefix}tasks_held_eta",
+            "eta",
+            postgresql_where=text(HELD_SQL["postgresql"]),
+            sqlite_where=text(HELD_SQL["sqlite"]),
         ),
         # retention and the health figures read finished rows by finish time; name and
         # state let the per-task counts of a window be read from the index alone
@@ -539,10 +555,15 @@ def published_by(tables: Tables, origin: str | None) -> ColumnElement[bool]:
 
 
 def never_published(tables: Tables, grace: float) -> ColumnElement[bool]:
-    """A PENDING row never marked published within ``grace`` seconds (the reaper's
-    ``lease_publish_grace``, plus the checker's slack)."""
+    """A PENDING row, not held, never marked published within ``grace`` seconds (the
+    reaper's ``lease_publish_grace``, plus the checker's slack)."""
     t = tables.tasks
-    return and_(t.c.published_at.is_(None), after(t.c.updated_at, grace) < db_now())
+    return and_(
+        t.c.published_at.is_(None),
+        after(t.c.updated_at, grace) < db_now(),
+        # a held row is published by the held sweep when due, not after the grace
+        t.c.held == false(),
+    )
 
 
 def message_lost(tables: Tables, republish_after: float, slack: float = 0.0) -> ColumnElement[bool]:

@@ -227,6 +227,8 @@ def test_liveness_violations_need_the_reaper(raw_store: Store) -> None:
     dead = running(store, owner="no-such-incarnation")
     # PENDING, never published
     unpublished, _ = store.submit(new_task())
+    # PENDING, held until an ETA that has passed
+    held, _ = store.submit(new_task(held=True, countdown=-1.0))
     # RETRY_WAIT, due now
     retry = running(store)
     (expiry,) = store.expire(
@@ -245,6 +247,7 @@ def test_liveness_violations_need_the_reaper(raw_store: Store) -> None:
     expected = {
         "dead_owner": 1,
         "unpublished": 1,
+        "held_overdue": 1,
         "retry_overdue": 1,
         "manual_without_reason": 1,
         "follow_ups_overdue": 1,
@@ -258,6 +261,7 @@ def test_liveness_violations_need_the_reaper(raw_store: Store) -> None:
     by_kind = {v.kind: v.task_id for v in check(store, grace=0.1)}
     assert by_kind["dead_owner"] == dead.task_id
     assert by_kind["unpublished"] == unpublished
+    assert by_kind["held_overdue"] == held
     assert by_kind["retry_overdue"] == retry.task_id
     assert by_kind["follow_ups_overdue"] == followed.task_id
     # with liveness off (or a generous grace) only the safety invariants remain

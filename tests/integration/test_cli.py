@@ -106,6 +106,35 @@ def test_list_prints_a_table_json_and_ids(ops: Ops) -> None:
     assert (empty.exit_code, empty.stdout, empty.stderr.strip()) == (0, "", "No tasks match.")
 
 
+def test_list_scheduled_shows_the_held_tasks_soonest_first(ops: Ops) -> None:
+    add = ops.app.tasks["ops.add"]
+    assert ops.store.config.hold_eta_after == 60.0  # the default: an hour ahead is held
+    later = str(add.apply_async((1, 2), countdown=7200).id)
+    sooner = str(add.apply_async((3, 4), countdown=3600).id)
+    ops.submit()  # PENDING, published: not held
+
+    table = run(ops, "list", "--scheduled")
+    assert table.exit_code == 0, table.output
+    header, *rows = table.stdout.splitlines()
+    assert header.split() == ["ID", "NAME", "ETA", "DUE", "IN", "CREATED"]
+    assert [r.split()[0] for r in rows] == [sooner, later]
+    eta = ops.store.get(sooner).eta
+    assert eta is not None and eta.isoformat(timespec="seconds") in rows[0]
+    assert table.stderr.strip() == "2 held tasks"
+
+    as_json = json.loads(run(ops, "list", "--scheduled", "--json").stdout)
+    assert [(t["id"], t["name"]) for t in as_json] == [(sooner, "ops.add"), (later, "ops.add")]
+    assert as_json[0]["eta"] == eta.isoformat()
+    assert run(ops, "list", "--scheduled", "-q", "--limit", "1").stdout.split() == [sooner]
+    assert run(ops, "list", "--scheduled", "--name", "ops.charge").stderr.strip() == (
+        "No tasks held until their ETA."
+    )
+    ops.admin.cancel(sooner, reason="not wanted")
+    assert run(ops, "list", "--scheduled", "-q").stdout.split() == [later]
+    refused = run(ops, "list", "--scheduled", "--state", "PENDING")
+    assert refused.exit_code == 2 and "--scheduled" in refused.stderr
+
+
 def test_show_wait_manual_explains_why_and_spells_out_each_decision(ops: Ops) -> None:
     task_id = ops.wait_manual()
 

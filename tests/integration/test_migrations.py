@@ -268,11 +268,20 @@ def drop_follow_ups(store: Any, conn: Any) -> None:
     conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN follow_ups_at")
 
 
+def _drop_held(store: Any, conn: Any) -> None:
+    """Back to the tasks table before schema version 11: no ``held`` (nor its index)."""
+    tasks = store.t.tasks
+    next(i for i in tasks.indexes if i.name.endswith("_held_eta")).drop(conn)
+    table = store.engine.dialect.identifier_preparer.format_table(tasks)
+    conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN held")
+
+
 def _drop_origin(store: Any, conn: Any) -> None:
     """Drop the ``origin`` columns schema version 8 added (an older database's shape),
-    and the later ``revision`` (a migration adds a column last: the columns after it
-    must go too for the upgrade to give the same order)."""
+    and the columns versions 11 and 12 added after them (a migration adds a column
+    last: the columns after it must go too for the upgrade to give the same order)."""
     _drop_revision(store, conn)
+    _drop_held(store, conn)
     preparer = store.engine.dialect.identifier_preparer
     for table in (store.t.tasks, store.t.workers):
         conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(table)} DROP COLUMN origin")
@@ -284,7 +293,7 @@ def _drop_revision(store: Any, conn: Any) -> None:
     conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN revision")
 
 
-def test_a_version_10_database_gains_the_revision_column_and_keeps_its_rows(make_store):
+def test_a_version_11_database_gains_the_revision_column_and_keeps_its_rows(make_store):
     store = make_store(migrate=False)
     store.migrate()
     full = schema_snapshot(store.engine, store.config.schema)
@@ -300,12 +309,12 @@ def test_a_version_10_database_gains_the_revision_column_and_keeps_its_rows(make
     )
     store.submit(task)
     t = store.t
-    with store.engine.begin() as conn:  # the database as schema version 10 left it
+    with store.engine.begin() as conn:  # the database as schema version 11 left it
         _drop_revision(store, conn)
-        conn.execute(t.version.delete().where(t.version.c.version > 10))
-    assert store.schema_version() == 10
+        conn.execute(t.version.delete().where(t.version.c.version > 11))
+    assert store.schema_version() == 11
 
-    assert store.migrate() == (10, SCHEMA_VERSION)
+    assert store.migrate() == (11, SCHEMA_VERSION)
     assert schema_snapshot(store.engine, store.config.schema) == full
     assert store.submit(replace(task, id="new")) == ("old", False)
 
@@ -510,6 +519,31 @@ def test_a_version_8_database_narrows_its_indexes_and_keeps_every_row(make_store
     ids = [s.value.lower() for s in (State.PENDING, State.FAILED, State.TIMEOUT, State.WAIT_MANUAL)]
     published = {p.id: p.message for p in store.take_pending(ids)}
     assert published == dict.fromkeys(ids, message)
+
+
+def test_a_version_10_database_gains_the_held_column_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    store.submit(
+        NewTask(
+            id="old", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+        )
+    )
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 10 left it
+        _drop_revision(store, conn)
+        _drop_held(store, conn)
+        conn.execute(t.version.delete().where(t.version.c.version >= 11))
+    assert store.schema_version() == 10
+
+    assert store.migrate() == (10, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert store.get("old") is not None
+    with store.engine.connect() as conn:  # the rows written before are not held
+        held = conn.execute(select(t.tasks.c.held).where(t.tasks.c.id == "old"))
+        assert held.scalar_one() is False
+    assert store.held() == []
 
 
 def test_migrate_is_idempotent(make_store):

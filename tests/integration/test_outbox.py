@@ -117,6 +117,17 @@ def test_session_commit_publishes_after_the_commit_and_the_task_runs_once(env, e
     assert env.order_ids() == [1]
 
 
+def test_a_task_due_far_ahead_is_held_not_published_after_the_commit(env):
+    with Session(env.engine) as session, session.begin():
+        session.execute(env.orders.insert().values(id=1))
+        result = env.fulfil.apply_async((1,), connection=session, countdown=3600)
+    assert env.queued() == 0  # committed, held in the store until its ETA
+    row = env.row(result.id)
+    assert row.state is State.PENDING and row.published_at is None
+    assert [h.id for h in env.store.held()] == [result.id]
+    assert env.order_ids() == [1]
+
+
 def test_session_rollback_publishes_nothing_and_leaves_no_row(env):
     with (
         pytest.raises(RuntimeError, match="business rule"),

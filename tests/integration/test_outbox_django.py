@@ -97,6 +97,10 @@ elif scenario == "dedup":
         first = apply_async_on_commit(proj.fulfil, (1,), dedup_key="order-1")
         again = apply_async_on_commit(proj.fulfil, (1,), dedup_key="order-1")
         out["ids"] = [first.id, again.id]
+elif scenario == "held":
+    with transaction.atomic():
+        order(1)
+        out["id"] = apply_async_on_commit(proj.fulfil, (1,), countdown=3600).id
 elif scenario == "crash":
     with transaction.atomic():
         order(1)
@@ -223,6 +227,17 @@ def test_a_dedup_key_submits_once(django_env):
     first, again = out["ids"]
     assert first == again
     assert django_env.queued() == 1
+
+
+def test_a_task_due_far_ahead_is_held_and_not_published_on_commit(django_env):
+    _, out = django_env.run("held")
+    assert out["orders"] == [1]
+    row = django_env.store.get(out["id"])
+    assert row.state is State.PENDING and row.published_at is None
+    assert [h.id for h in django_env.store.held()] == [out["id"]]
+    assert django_env.queued() == 0
+    assert admin(django_env.app).reap().released == 0  # due in an hour: still held
+    assert django_env.queued() == 0
 
 
 def test_dying_between_commit_and_publish_is_covered_by_the_reaper(django_env, external):

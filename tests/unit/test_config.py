@@ -55,6 +55,7 @@ DEFAULTS = {
     "catchup_window": 86400.0,
     "catchup_max": 10,
     "overlap": "allow",
+    "hold_eta_after": 60.0,
 }
 
 
@@ -127,6 +128,19 @@ def test_retention_none_keeps_everything_and_unset_is_the_default():
     assert from_mapping(app.conf).retention == 3600.0
     with pytest.raises(ConfigurationError, match="lease_retention"):
         LeaseConfig(retention=0)
+
+
+def test_hold_eta_after_none_turns_holding_off_and_is_checked_as_a_duration():
+    assert from_mapping({}).hold_eta_after == 60.0
+    assert from_mapping({"lease_hold_eta_after": None}).hold_eta_after is None
+    app = Celery(set_as_current=False)
+    app.conf.lease_hold_eta_after = None
+    assert from_mapping(app.conf).hold_eta_after is None
+    app.conf.lease_hold_eta_after = "0"
+    assert from_mapping(app.conf).hold_eta_after == 0.0  # every future ETA held
+    for bad in (-1, math.inf, math.nan, 1e300, "soon"):
+        with pytest.raises(ConfigurationError, match="lease_hold_eta_after"):
+            from_mapping({"lease_hold_eta_after": bad})
 
 
 def test_the_origin_is_the_broker_unless_lease_origin_names_it():

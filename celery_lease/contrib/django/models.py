@@ -85,6 +85,11 @@ class Task(models.Model):
         help_text="Follow-ups recorded with the success and not yet published "
         "(chain, link callbacks, chord part-return), since.",
     )
+    held = models.BooleanField(
+        default=False,
+        help_text="Held in the store until its ETA (lease_hold_eta_after): the reaper "
+        "publishes it when due.",
+    )
 
     objects: ClassVar[LeaseManager] = LeaseManager()
 

@@ -127,7 +127,8 @@ def apply_async_on_commit(
 
     def publish() -> None:
         rt.store.announce(submitted.events)
-        _submission.publish(task, rt, outgoing, publish_only["producer"])
+        if not new.held:  # held: the reaper publishes it when due
+            _submission.publish(task, rt, outgoing, publish_only["producer"])
 
     transaction.on_commit(publish, using=alias)
     return task.AsyncResult(submitted.task_id)

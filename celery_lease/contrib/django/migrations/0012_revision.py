@@ -12,7 +12,7 @@ from celery_lease.contrib.django import _migration
 
 
 class Migration(migrations.Migration):
-    dependencies = [("celery_lease", "0010_schedules")]  # noqa: RUF012 (Django's API)
+    dependencies = [("celery_lease", "0011_held")]  # noqa: RUF012 (Django's API)
 
     operations = [  # noqa: RUF012 (Django's API)
         migrations.SeparateDatabaseAndState(
