@@ -69,7 +69,7 @@ def rss_kib(pids: list[int]) -> int:
 
 def scenario(ctx: Context, hold: float | None, span: float | None = None) -> dict[str, Any]:
     """One round: ``hold`` is ``lease_hold_eta_after``; the ETAs spread over ``span``
-    seconds (default 120 s, 10 s in a quick run)."""
+    seconds (default 120 s, 5 s in a quick run)."""
     from sqlalchemy import select
 
     from celery_lease import State
@@ -79,8 +79,8 @@ def scenario(ctx: Context, hold: float | None, span: float | None = None) -> dic
     n = ctx.scale(20_000, 300)
     # the first ETA, seconds after submission starts: past the submission and the
     # worker's start, so that no task is due before the worker is there
-    lead = ctx.scale(90.0, 25.0)
-    span = span or ctx.scale(120.0, 10.0)  # ETAs spread evenly over this window
+    lead = ctx.scale(90.0, 12.0)
+    span = span or ctx.scale(120.0, 5.0)  # ETAs spread evenly over this window
     queue = new_queue("held")
     clear_redis_unacked(REDIS_URL)
     client = redis_client()
