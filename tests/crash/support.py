@@ -320,7 +320,8 @@ class LeasedProject:
         for proc in self.workers:
             if not proc.is_alive():
                 continue
-            for pid in [proc.pid, *proc.children()]:
+            agent = proc.lease_agent()  # the claims' process: dumped with the others
+            for pid in [proc.pid, *proc.children(), *([agent] if agent else [])]:
                 try:
                     dump = subprocess.run(
                         [spy, "dump", "--pid", str(pid)],
