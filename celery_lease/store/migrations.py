@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from sqlalchemy import Connection, insert, inspect, select
+from sqlalchemy import Connection, Table, insert, inspect, select
 from sqlalchemy.schema import CreateColumn, CreateSchema, DropSchema
 
 from ..exceptions import SchemaOutOfDate
@@ -153,28 +153,26 @@ def _schedules(conn: Connection, tables: Tables) -> None:
     tables.beats.create(conn, checkfirst=True)
 
 
-def _held(conn: Connection, tables: Tables) -> None:
-    # the baseline creates today's tables, which already have the column
-    tasks = tables.tasks
-    have = {c["name"] for c in inspect(conn).get_columns(tasks.name, schema=tasks.schema)}
-    if "held" not in have:
+def _add_column(conn: Connection, table: Table, name: str) -> None:
+    """Add ``table``'s column ``name`` as the schema defines it, unless it is there (the
+    baseline creates today's tables, which already have it)."""
+    have = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+    if name not in have:
         preparer = conn.dialect.identifier_preparer
-        column = CreateColumn(tasks.c.held).compile(dialect=conn.dialect)
-        conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(tasks)} ADD COLUMN {column}")
+        column = CreateColumn(table.c[name]).compile(dialect=conn.dialect)
+        conn.exec_driver_sql(f"ALTER TABLE {preparer.format_table(table)} ADD COLUMN {column}")
+
+
+def _held(conn: Connection, tables: Tables) -> None:
+    tasks = tables.tasks
+    _add_column(conn, tasks, "held")
     for index in tasks.indexes:
         if index.name == f"{tasks.name}_held_eta":
             index.create(conn, checkfirst=True)
 
 
 def _revision(conn: Connection, tables: Tables) -> None:
-    # the baseline creates today's tables, which already have the column
-    tasks = tables.tasks
-    have = {c["name"] for c in inspect(conn).get_columns(tasks.name, schema=tasks.schema)}
-    if "revision" not in have:
-        preparer = conn.dialect.identifier_preparer
-        conn.exec_driver_sql(
-            f"ALTER TABLE {preparer.format_table(tasks)} ADD COLUMN revision VARCHAR(32)"
-        )
+    _add_column(conn, tables.tasks, "revision")
 
 
 MIGRATIONS: tuple[Migration, ...] = (
