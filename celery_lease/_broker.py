@@ -10,10 +10,11 @@ Redis connection waits for ever by default (kombu's ``socket_timeout`` is ``None
 :data:`MIN_SOCKET_TIMEOUT`), unless ``broker_transport_options`` sets them already; and
 every publish of a leased task's message retries once (:data:`PUBLISH_RETRY`, for a
 pooled connection left stale by a broker restart), not for as long as
-``task_publish_retry_policy`` allows; the reaper's publishes do not retry (its next
-sweep does). A publish that gets no answer so gives up after about
-``lease_db_timeout`` (the reaper's after one socket timeout) and leaves the row for
-the reaper. RabbitMQ connections are
+``task_publish_retry_policy`` allows; the reaper's publishes retry only a failure that
+came at once (a stale connection, :func:`timed_out` tells), never a broker that did
+not answer (its next sweep does). A publish that gets no answer so gives up after
+about ``lease_db_timeout`` (the reaper's after one socket timeout) and leaves the row
+for the reaper. RabbitMQ connections are
 opened within ``broker_connection_timeout`` and a publish writes without waiting for an
 answer (with publisher confirms, the wait is bounded by the same ``timeout``).
 
@@ -62,6 +63,21 @@ PUBLISH_RETRY: dict[str, Any] = {
     "interval_step": 0.2,
     "interval_max": 0.2,
 }
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether a failed publish waited for a broker that did not answer (a socket or
+    confirm timeout, whichever transport raised it), rather than failing at once (a
+    pooled connection reset by a broker restart, a refused connection)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        # builtin TimeoutError (socket.timeout), redis-py's and amqp's own TimeoutErrors
+        if any(cls.__name__ == "TimeoutError" for cls in type(current).__mro__):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def socket_timeout(db_timeout: float) -> float:

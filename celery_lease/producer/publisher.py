@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import loads as json_loads
 
 from .. import notify
-from .._broker import PUBLISH_RETRY
+from .._broker import PUBLISH_RETRY, timed_out
 from ..store import Publishable, Store
 from . import message as _message
 
@@ -79,17 +79,16 @@ def publish_rows(
             failed += 1
             continue
         try:
-            if row.message is not None:
-                _message.send_stored(
-                    app,
-                    row.message,
-                    countdown=row.countdown,
-                    timeout=store.config.db_timeout,
-                    retry=retry,
-                )
-            else:
-                _send_legacy(app, row, retry)
-        except (KombuOperationalError, ConnectionError, OSError) as error:
+            try:
+                _send(app, store, row, retry)
+            except _BROKER_ERRORS as error:
+                if retry or timed_out(error):
+                    raise
+                # failed at once: a pooled connection a broker restart left stale; the
+                # pool reconnects for the second try (a broker that does not answer is
+                # not waited for twice)
+                _send(app, store, row, retry)
+        except _BROKER_ERRORS as error:
             logger.warning(
                 "broker unavailable, %d rows left to publish later: %s",
                 len(rows) - len(sent),
@@ -102,6 +101,18 @@ def publish_rows(
     if sent:
         store.mark_published(sent)
     return Published(len(sent), failed, broker_down)
+
+
+_BROKER_ERRORS = (KombuOperationalError, ConnectionError, OSError)
+
+
+def _send(app: Celery, store: Store, row: Publishable, retry: bool) -> None:
+    if row.message is not None:
+        _message.send_stored(
+            app, row.message, countdown=row.countdown, timeout=store.config.db_timeout, retry=retry
+        )
+    else:
+        _send_legacy(app, row, retry)
 
 
 def _send_legacy(app: Celery, row: Publishable, retry: bool) -> None:

@@ -52,7 +52,7 @@ from datetime import datetime
 
 import pytest
 
-from celery_lease import State
+from celery_lease import State, admin
 from celery_lease.check import check
 from celery_lease.config import TUNING_ENV
 from celery_lease.exceptions import StoreError
@@ -224,6 +224,33 @@ def test_row12_rabbitmq_restarted_with_tasks_queued_and_running(
     assert worker.pid == pid and worker.is_alive()
     assert len(re.findall(r"Connected to amqp://", worker.log_text())) >= 2
     assert_clean(p)
+
+
+@exclusive
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    [pytest.param("amqp", "postgresql", id="amqp-postgresql", marks=pytest.mark.postgres)],
+    indirect=True,
+)
+def test_row12_the_first_sweep_after_a_rabbitmq_restart_publishes(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    # The reaper does not retry a publish (its next sweep does), yet the connection a
+    # broker restart left in this process's pool fails at once: that failure alone is
+    # tried again on a fresh connection, so the sweep publishes what is due.
+    p = lease_env.project(broker_url=broker_url, hold_eta_after=0.0)
+    p.submit("t.add", 1, 1)  # a publish: this process now pools a broker connection
+    held = p.submit("t.add", 2, 2, countdown=0.5)
+    assert p.get(held).published_at is None
+    rabbitmq_restart_app()
+    due = p.get(held).eta
+    wait_until(lambda: p.store.database_time() >= due, timeout=30, message="ETA passed")
+    before = queued(p)
+
+    done = admin(p.module.app).reap()
+
+    assert (done.released, done.publish_failed) == (1, 0), done
+    assert queued(p) == before + 1  # the held task's message, published once
 
 
 # -- row 13: the database ----------------------------------------------------------------
