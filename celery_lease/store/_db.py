@@ -471,13 +471,16 @@ def _bound_stalled_transactions(engine: Engine, config: LeaseConfig) -> None:
     ``statement_timeout`` and ``lock_timeout`` end a statement that runs or waits for
     a lock longer than ``lease_db_timeout`` (the call would be abandoned by then
     anyway). ``idle_in_transaction_session_timeout`` ends a session that stays idle
-    inside a transaction for a whole TTL: the store's transactions are a few
-    statements issued back to back, so one left open means its process was frozen
-    (SIGSTOP, a paused VM) or hung between two statements, and the row locks it holds
-    (the reaper lock's row, a task row) would otherwise block every other worker's
-    reaper for as long as the freeze lasts. One round trip, once per connection.
+    inside a transaction for a whole TTL, and never sooner than ``lease_db_timeout``:
+    the store's transactions are a few statements issued back to back, so one left
+    open that long means its process was frozen (SIGSTOP, a paused VM) or hung between
+    two statements, and the row locks it holds (the reaper lock's row, a task row)
+    would otherwise block every other worker's reaper for as long as the freeze lasts.
+    A live process is never cut short by it: its own watchdog abandons a call at
+    ``lease_db_timeout``, so a process merely slowed down (a busy machine, a short
+    TTL) keeps its transaction. One round trip, once per connection.
     """
-    idle_ms = max(1000, int(config.ttl * 1000))
+    idle_ms = max(1000, int(max(config.ttl, config.db_timeout) * 1000))
     statement_ms = max(1, int(config.db_timeout * 1000))
 
     @event.listens_for(engine, "connect")
