@@ -306,7 +306,9 @@ class LeasedTask(Task[Any, Any]):
     ) -> Retry:
         """Celery's ``retry()``, through the row: RUNNING -> RETRY_WAIT -> PENDING with
         the retry's message (Celery builds it, chain and callbacks included), which this
-        worker publishes at once with its ETA, as plain Celery does.
+        worker publishes at once with its ETA, as plain Celery does; a retry due more
+        than ``lease_hold_eta_after`` seconds ahead is held in the row instead, and the
+        reaper publishes it when due (as a submission with such an ETA is).
 
         The delay follows Celery: ``countdown``/``eta`` (a naive ``eta`` is in the app's
         timezone), else ``default_retry_delay``. Past ``max_retries`` the task ends
@@ -398,6 +400,8 @@ class LeasedTask(Task[Any, Any]):
             return outgoing.result
         if recorded == "handed_over":
             return outgoing.result  # written with others, then published, by the writer
+        if recorded == "held":
+            return outgoing.result  # due far ahead: the reaper publishes it when due
         crash_point("after_retry_recorded")
         return _submission.publish(self, rt, outgoing, producer)
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
+    Boolean,
     ColumnElement,
     Connection,
     Float,
@@ -30,6 +31,7 @@ from sqlalchemy import (
     String,
     Text,
     bindparam,
+    case,
     column,
     func,
     insert,
@@ -51,6 +53,10 @@ from .schema import after, db_now
 def retry_published(requeued: bool = False) -> str:
     """The reason of a retry's ``RETRY_WAIT -> PENDING``, written with it by its worker."""
     return f"retry {'requeued' if requeued else 'published'} by its worker"
+
+
+#: The reason of a held retry's ``RETRY_WAIT -> PENDING``: not published by its worker.
+RETRY_HELD = "retry held in the store until due (lease_hold_eta_after); the reaper publishes it"
 
 
 def _unnest(*columns: tuple[str, str, Any]) -> Any:
@@ -179,9 +185,12 @@ class Outcomes(StoreBase):
         error: str | None,
         message: str | None = None,
         requeued: bool = False,
+        held: bool = False,
     ) -> bool:
         """RUNNING -> RETRY_WAIT -> PENDING, fenced, in one transaction: the retry is due
-        ``delay`` seconds from now (database time) and its message goes out at once.
+        ``delay`` seconds from now (database time) and its message goes out at once, or,
+        ``held``, is kept in the row until the reaper publishes it, due (see
+        :meth:`holds`, :meth:`take_held`).
 
         ``message``: the retry's message as Celery built it (stored in the row, which is
         its outbox: if it is never published, the reaper publishes it). ``requeued``:
@@ -190,7 +199,7 @@ class Outcomes(StoreBase):
 
         def op(conn: Connection, is_retry: bool) -> bool:
             return self._retry_one(
-                conn, lease, delay, actor, reason, error, message, requeued, is_retry
+                conn, lease, delay, actor, reason, error, message, requeued, is_retry, held
             )
 
         return self._tx(op)
@@ -206,6 +215,7 @@ class Outcomes(StoreBase):
         message: str | None,
         requeued: bool,
         is_retry: bool,
+        held: bool = False,
     ) -> bool:
         """:meth:`schedule_retry`'s writes, in the caller's transaction."""
         t = self.t.tasks
@@ -219,6 +229,7 @@ class Outcomes(StoreBase):
             "next_retry_at": None,
             "published_at": db_now() if requeued else None,
             "publish_count": 0,
+            "held": held,
         }
         if message is not None:
             due["message"] = message
@@ -237,7 +248,7 @@ class Outcomes(StoreBase):
                 [t.c.id == lease.task_id],
                 State.RETRY_WAIT,
                 State.PENDING,
-                reason=retry_published(requeued),
+                reason=RETRY_HELD if held else retry_published(requeued),
                 actor=actor,
                 values=due,
             )
@@ -410,7 +421,16 @@ class Outcomes(StoreBase):
             done: set[tuple[str, int]] = set()
             for o in outcomes:
                 if self._retry_one(
-                    conn, o.lease, o.delay, actor, o.reason, o.error, o.message, False, is_retry
+                    conn,
+                    o.lease,
+                    o.delay,
+                    actor,
+                    o.reason,
+                    o.error,
+                    o.message,
+                    False,
+                    is_retry,
+                    o.held,
                 ):
                     done.add((o.lease.task_id, o.lease.attempt))
             return done
@@ -447,8 +467,10 @@ class Outcomes(StoreBase):
             "b_reasons": [o.reason for o in outcomes],
             "b_errors": [o.error for o in outcomes],
             "b_messages": [o.message for o in outcomes],
+            "b_held": [o.held for o in outcomes],
             "b_actor": actor,
             "b_published": retry_published(),
+            "b_held_reason": RETRY_HELD,
         }
         done: set[tuple[str, int]] = set()
         for row in conn.execute(stmt, params).all():
@@ -456,7 +478,7 @@ class Outcomes(StoreBase):
             done.add((row.id, attempt))
             for frm, to, reason in (
                 (State.RUNNING, State.RETRY_WAIT, row.retry_reason),
-                (State.RETRY_WAIT, State.PENDING, retry_published()),
+                (State.RETRY_WAIT, State.PENDING, row.reason),
             ):
                 self._record_event(
                     TransitionEvent(row.id, row.name, frm, to, reason, actor, attempt)
@@ -473,8 +495,12 @@ class Outcomes(StoreBase):
             ("b_reasons", "reason", Text),
             ("b_errors", "error", Text),
             ("b_messages", "message", Text),
+            ("b_held", "held", Boolean),
         )
-        published = bindparam("b_published", type_=Text)
+        published = case(
+            (v.c.held, bindparam("b_held_reason", type_=Text)),
+            else_=bindparam("b_published", type_=Text),
+        )
         moved = (
             update(t)
             .where(*_running_as(t, v))
@@ -482,6 +508,7 @@ class Outcomes(StoreBase):
                 state=State.PENDING.value,
                 updated_at=db_now(),
                 reason=published,
+                held=v.c.held,
                 retries=t.c.retries + 1,
                 error=v.c.error,
                 next_retry_at=None,
@@ -490,7 +517,7 @@ class Outcomes(StoreBase):
                 publish_count=0,
                 message=func.coalesce(v.c.message, t.c.message),
             )
-            .returning(t.c.id, t.c.attempt, t.c.name, v.c.reason.label("retry_reason"))
+            .returning(t.c.id, t.c.attempt, t.c.name, t.c.reason, v.c.reason.label("retry_reason"))
             .cte("moved")
         )
         actor = bindparam("b_actor", type_=String)
@@ -513,7 +540,7 @@ class Outcomes(StoreBase):
                 columns,
                 union_all(
                     audit_rows(State.RUNNING, State.RETRY_WAIT, moved.c.retry_reason),
-                    audit_rows(State.RETRY_WAIT, State.PENDING, published),
+                    audit_rows(State.RETRY_WAIT, State.PENDING, moved.c.reason),
                 ),
             )
             .cte("audit")

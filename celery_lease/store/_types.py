@@ -294,6 +294,9 @@ class Outcome:
     #: built it (stored in the row, its outbox).
     delay: float = 0.0
     message: str | None = None
+    #: A retry due far ahead (``lease_hold_eta_after``): kept in the row, not published
+    #: by its worker; the reaper's held sweep publishes it when due.
+    held: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

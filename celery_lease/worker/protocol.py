@@ -220,6 +220,7 @@ class OutcomeChannel:
                 task_name,
                 outcome.delay,
                 outcome.message,
+                outcome.held,
                 time.monotonic(),  # the system's clock: the same in every process
             ],
             separators=(",", ":"),
@@ -246,11 +247,13 @@ class OutcomeChannel:
         Raises:
             ValueError, TypeError: not a hand-over (never from our own children).
         """
-        (task_id, attempt, token, to, reason, result, error, name, delay, message, at) = json.loads(
-            blob
+        (task_id, attempt, token, to, reason, result, error, name, delay, message, held, at) = (
+            json.loads(blob)
         )
         lease = Lease(str(task_id), int(attempt), str(token))
-        outcome = Outcome(lease, State(to), str(reason), result, error, float(delay), message)
+        outcome = Outcome(
+            lease, State(to), str(reason), result, error, float(delay), message, bool(held)
+        )
         return outcome, str(name), float(at)
 
     def retire(self) -> None:

@@ -29,8 +29,9 @@ from celery_lease._runtime import runtime
 from celery_lease.exceptions import InvalidSubmissionType, InvalidSubmissionValue
 from celery_lease.reaper import Reaper
 from celery_lease.store import Store
+from celery_lease.store._outcome import RETRY_HELD
 
-from ..crash.support import LeasedProject, LeaseEnv, queue_depth
+from ..crash.support import TASKS, LeasedProject, LeaseEnv, queue_depth
 from ..helpers import flush_published, wait_until
 
 BROKERS = pytest.mark.parametrize(
@@ -214,6 +215,69 @@ def test_with_hold_eta_after_none_a_task_is_published_at_once(
     assert queue_depth(broker_url, p.project.queue) == 1  # in the broker, with its ETA
     message = p.get(task_id).message
     assert message is not None and '"eta"' in message
+
+
+#: A task that retries in an hour (Celery's retry(countdown=...)): held, by default.
+RETRY_IN_AN_HOUR = """
+
+@app.task(base=LeasedTask, bind=True, shared=False, name="t.retry_later", max_retries=3)
+def retry_later(self):
+    external.call("retry_later")
+    raise self.retry(countdown=3600, exc=Flaky("later"))
+"""
+
+
+@BROKERS
+@pytest.mark.parametrize("write_through", [False, True], ids=["writer", "write-through"])
+def test_a_retry_due_in_an_hour_is_held_not_published(
+    lease_env: LeaseEnv, broker_url: str, write_through: bool
+) -> None:
+    # the default lease_hold_eta_after (60 s); both ways a worker writes a retry: the
+    # main process's outcome writer, or the pool process itself
+    p = lease_env.project(
+        broker_url=broker_url,
+        source=TASKS + RETRY_IN_AN_HOUR,
+        outcome_write_through=write_through,
+    )
+    task_id = p.submit("t.retry_later")
+    p.worker(worker_name())
+    wait_until(
+        lambda: (r := p.get(task_id)).retries == 1 and r.state is State.PENDING,
+        timeout=30,
+        message="the retry was recorded",
+    )
+    record = p.get(task_id)
+    assert record.published_at is None and column(p, task_id, "held") is True
+    assert held_ids(p) == [task_id]  # lease list --scheduled
+    due = record.eta
+    assert due is not None and timedelta(minutes=59) < due - p.store.database_time()
+    assert p.trail(task_id)[-2:] == [("RUNNING", "RETRY_WAIT"), ("RETRY_WAIT", "PENDING")]
+    assert p.store.history(task_id)[-1].reason == RETRY_HELD
+    # no worker holds its message for the hour (Celery's view of its ETA tasks)
+    scheduled = p.module.app.control.inspect(timeout=2.0).scheduled() or {}
+    assert all(not tasks for tasks in scheduled.values()), scheduled
+    assert queue_depth(broker_url, p.project.queue) == 0
+    assert p.external.count("retry_later") == 1
+
+
+@BROKERS
+def test_a_held_retry_is_published_when_due_and_runs_once(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    # t.retry_then_ok retries in 0.3 s: held with the setting at 0.1 s
+    p = lease_env.project(broker_url=broker_url, hold_eta_after=0.1)
+    task_id = p.submit("t.retry_then_ok", 1)
+    p.worker(worker_name())
+    record = p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+    assert (record.attempt, record.retries) == (2, 1)
+    assert p.external.count("retry_then_ok") == 2
+    history = p.store.history(task_id)
+    (held,) = [h for h in history if h.from_state is State.RETRY_WAIT]
+    assert held.reason == RETRY_HELD
+    # the reaper's held sweep published it once; it ran no earlier than its ETA
+    assert column(p, task_id, "held") is False and column(p, task_id, "publish_count") == 1
+    assert record.eta is not None and record.started_at is not None
+    assert record.started_at >= record.eta
 
 
 def test_hold_eta_after_decides_by_distance(lease_env: LeaseEnv, redis_url: str) -> None:

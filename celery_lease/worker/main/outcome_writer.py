@@ -202,6 +202,7 @@ class OutcomeWriter:
         each with the countdown its row was written with; what cannot be sent is the
         reaper's."""
         sent: list[str] = []
+        retries = [o for o in retries if not o.held]  # due far ahead: the reaper's, when due
         for n, o in enumerate(retries):
             if o.message is None:  # never from a retry() (it always carries its message)
                 self.unpublished += 1

@@ -376,8 +376,9 @@ def outcome(
 
 #: What :func:`retry_outcome` did: ``"written"`` (the caller publishes the retry's
 #: message), ``"handed_over"`` (the worker's outcome writer writes the row, then
-#: publishes the message), ``"lost"`` (the lease was lost: nothing written).
-RetryRecorded = Literal["written", "handed_over", "lost"]
+#: publishes the message), ``"held"`` (written, due far ahead: the reaper publishes it
+#: when due), ``"lost"`` (the lease was lost: nothing written).
+RetryRecorded = Literal["written", "handed_over", "held", "lost"]
 
 
 def retry_outcome(
@@ -390,12 +391,18 @@ def retry_outcome(
     message: str | None = None,
     requeued: bool = False,
 ) -> RetryRecorded:
-    """RUNNING -> RETRY_WAIT -> PENDING once, fenced, due in ``delay`` seconds."""
+    """RUNNING -> RETRY_WAIT -> PENDING once, fenced, due in ``delay`` seconds; held in
+    the row when that is more than ``lease_hold_eta_after`` ahead (as a submission is)."""
     rt = _finishing(task, execution)
     if rt is None or rt.incarnation is None:
         return "lost"
+    # a requeued delivery stays in the broker; a retry without its message cannot be
+    # published later from the row
+    held = not requeued and message is not None and rt.store.holds(delay, None)
     if not requeued:
-        retry = Outcome(execution.lease, State.RETRY_WAIT, reason, None, error, delay, message)
+        retry = Outcome(
+            execution.lease, State.RETRY_WAIT, reason, None, error, delay, message, held=held
+        )
         if hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, retry):
             return "handed_over"
     written = rt.store.schedule_retry(
@@ -406,8 +413,11 @@ def retry_outcome(
         error=error,
         message=message,
         requeued=requeued,
+        held=held,
     )
-    return "written" if written else "lost"
+    if not written:
+        return "lost"
+    return "held" if held else "written"
 
 
 def _finishing(task: LeasedTask, execution: Execution) -> Runtime | None:
