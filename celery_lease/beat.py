@@ -316,6 +316,8 @@ class _LeaseSlots:
         self._lease_seen_at = 0.0
         self._lease_id = uuid.uuid4().hex
         self._lease_actor = f"beat:{socket.gethostname()}:{os.getpid()}"
+        #: :meth:`close` ran: the beat is stopping.
+        self._lease_closed = False
         super().__init__(*args, **kwargs)
 
     # -- set-up ----------------------------------------------------------------------
@@ -425,7 +427,22 @@ class _LeaseSlots:
         db_time = self._lease_store.beat_seen(self._lease_id, socket.gethostname(), os.getpid())
         self._measured(db_time)
 
+    def close(self) -> None:
+        # Celery's SIGTERM/SIGINT handler closes the scheduler (its schedule file, its
+        # connections) from inside whatever the beat was doing, then raises SystemExit;
+        # a publish it interrupts may turn that into another error on the way out
+        self._lease_closed = True
+        super().close()  # type: ignore[misc]
+
+    def _stopping(self) -> None:
+        """Raise ``SystemExit`` once the beat is stopping: Celery's loop ends on it, and
+        saves nothing more (a slot whose row was written and not sent is the reaper's,
+        as after a crash)."""
+        if self._lease_closed:
+            raise SystemExit()
+
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        self._stopping()
         if self._lease_entries:
             try:
                 self._see()
@@ -460,10 +477,12 @@ class _LeaseSlots:
         if state is None:
             if entry.name not in self._lease_rejected:
                 super().apply_entry(entry, producer=producer)  # type: ignore[misc]
+                self._stopping()  # Celery's own logs an error it met and goes on
             return
         try:
             self._decide(entry, state, producer)
         except Exception:
+            self._stopping()
             state.retry_at = self._db_now() + timedelta(seconds=RETRY_AFTER)
             logger.exception(
                 "beat entry %r: its slots could not be decided; tried again in %g s",
