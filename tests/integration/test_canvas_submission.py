@@ -73,11 +73,20 @@ def described(*args: Any, **kwargs: Any) -> list[str]:
     return shown + [f"{k}={type(v).__name__}:{v!r}" for k, v in sorted(kwargs.items())]
 
 
+#: These tests are about submission, not lease loss: a TTL far longer than any of them,
+#: so that a heartbeat delayed on a loaded machine never turns a run into a recovery
+#: (attempt 2) that the assertions of one clean run would not expect.
+LONG_TTL = 30.0
+
+
 @pytest.fixture
 def project(lease_env: LeaseEnv, broker_url: str, tmp_path: Path) -> Iterator[Any]:
     backend = f"db+sqlite:///{tmp_path / 'results.sqlite3'}"
     yield lease_env.project(
-        broker_url=broker_url, source=PROJECT, settings={"result_backend": backend}
+        broker_url=broker_url,
+        source=PROJECT,
+        settings={"result_backend": backend},
+        ttl=LONG_TTL,
     )
 
 
@@ -156,6 +165,7 @@ def test_a_group_containing_a_chord_is_submitted_and_runs_once(
         source=PROJECT,
         settings={"result_backend": backend},
         batch_groups=batch_groups,
+        ttl=LONG_TTL,
     )
     app = p.module.app
     double, total = app.tasks["c.double"], app.tasks["c.total"]
