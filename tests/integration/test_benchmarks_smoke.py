@@ -6,6 +6,7 @@ the end against the real services, prints its figures, and writes the page.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from ..helpers import REPO_ROOT
+
+HELD_HEADER = "| lease_hold_eta_after | due per second | submit (s) |"
 
 SECTIONS = (
     "## 1. Task overhead against plain Celery",
@@ -117,6 +120,17 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
     assert counts["LeasedTask, PostgreSQL, write-through"]["claims"]["statements"] > 0
     rounds = {(r["variant"], r["pool"]) for r in sections["overhead"]["rounds"]}
     assert {("LeasedTask, PostgreSQL, write-through", p) for p in ("prefork", "threads")} <= rounds
+    # the held delays (bench_held.py): its table, held and plain side by side, and the
+    # held sweep's plans, which read the partial index of the held rows
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(HELD_HEADER))
+    held_rows = list(itertools.takewhile(lambda line: line.startswith("| "), lines[at + 2 :]))
+    assert [r.split(" | ")[0] for r in held_rows] == [
+        "| held (lease_hold_eta_after 20)",
+        "| None (plain)",
+    ]
+    assert "Index Scan using lease_tasks_held_eta" in proc.stdout
+    assert "USING INDEX lease_tasks_held_eta" in proc.stdout
 
 
 @pytest.mark.slow
@@ -136,8 +150,6 @@ def test_the_main_process_benchmark_prints_its_table(pg_url: str, redis_url: str
     ]
 
 
-@pytest.mark.slow
-@pytest.mark.postgres
 @pytest.mark.timeout(600)
 def test_the_held_benchmark_prints_its_table_and_the_sweeps_plans(
     pg_url: str, redis_url: str
