@@ -352,3 +352,26 @@ def test_the_beat_failover_benchmark_prints_its_figures(pg_url: str, redis_url: 
     # and every slot written ran (how many were missed depends on the machine's load)
     assert twice == 0 and never_run == 0 and once <= slots
     assert re.search(r"\d+ kills, \d+ starts", proc.stdout), proc.stdout[-2000:]
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_the_held_sweep_benchmark_prints_its_table(pg_url: str, redis_url: str) -> None:
+    proc = _run(
+        ["bench_held_sweep.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 240
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    (figures,) = [t for t in _tables(proc.stdout) if t[0][0] == "broker"]
+    assert figures[0] == [
+        "broker",
+        "held rows due",
+        "published /s, idle process",
+        "process CPU ms / row, idle",
+        "published /s, beside a busy thread",
+        "busy vs idle",
+    ]
+    assert [row[0] for row in figures[1:]] == ["redis", "rabbitmq"]
+    for row in figures[1:]:
+        assert _number(row[1]) == 200  # every held row was published (or the run fails)
+        assert _number(row[2]) > 0 and _number(row[4]) > 0
