@@ -358,13 +358,16 @@ def rabbitmq_purge_queues(amqp_url: str) -> tuple[int, int]:
     if not names:
         return 0, 0
     with Connection(amqp_url, connect_timeout=5) as conn:
-        channel = conn.channel()
-        for name in names:
-            try:
-                purged += int(channel.queue_purge(name) or 0)
-                queues += 1
-            except NotFound:  # an auto-delete queue (a reply queue) went away meanwhile
-                channel = conn.channel()
+        try:
+            channel = conn.channel()
+            for name in names:
+                try:
+                    purged += int(channel.queue_purge(name) or 0)
+                    queues += 1
+                except NotFound:  # an auto-delete queue (a reply queue) went away meanwhile
+                    channel = conn.channel()
+        except (*conn.connection_errors, *conn.channel_errors) as error:
+            raise ConnectionError(f"purging {vhost}: {error!r}") from error
     return purged, queues
 
 
