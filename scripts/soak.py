@@ -2,6 +2,7 @@
 """The long seeded chaos soak: the engine of ``tests/crash/test_soak.py``, run longer.
 
     python scripts/soak.py --seed 7 --chaos-seconds 300 --tasks 400 [--workers 4]
+    python scripts/soak.py --broker amqp --seed 7 ...     # RabbitMQ as the broker
 
 N real workers (prefork and threads pools) on a PostgreSQL store and a Redis broker run
 a mixed workload while a seeded schedule SIGKILLs pool children and whole workers
@@ -11,13 +12,21 @@ and every invariant is checked (see ``tests/crash/chaos.py``). Prints a summary 
 exits 1 on any violation (the seed reproduces the schedule). On a violation nothing is
 dropped: the evidence of the tasks involved (rows with their stored messages, audit
 trails, steps, the result backend's keys and chord counters) is written to a JSON file
-next to the workers' logs, and the database and the Redis database are kept; the script
-prints where.
+next to the workers' logs, and the database, the Redis database (and the RabbitMQ
+vhost) are kept; the script prints where.
+
+With ``--broker amqp`` the workers and producers use RabbitMQ on a vhost of the run's
+own (made with ``rabbitmqctl``, deleted at the end unless evidence is kept); the result
+backend stays the Redis database. The broker's faults are then the vhost's queues
+purged (``rabbitmq_purge``) and every connection of the vhost closed by the broker
+(``rabbitmq_disconnect``); the shared RabbitMQ node is never restarted.
 
 Needs the services of the test suite (``CELERY_LEASE_TEST_PG_ADMIN_URL``,
-``CELERY_LEASE_TEST_REDIS_URL``: a Redis database the script flushes, default 10).
-Redis is really restarted (``SHUTDOWN NOSAVE``) only with ``--restart-redis yes``, or
-with ``auto`` when ``CELERY_LEASE_TEST_EXCLUSIVE=1`` or no other test session runs.
+``CELERY_LEASE_TEST_REDIS_URL``: a Redis database the script flushes, default 10;
+``CELERY_LEASE_TEST_AMQP_URL``: RabbitMQ's server and user, ``rabbitmqctl`` on the
+path). Redis is really restarted (``SHUTDOWN NOSAVE``) only on a Redis broker, with
+``--restart-redis yes``, or with ``auto`` when ``CELERY_LEASE_TEST_EXCLUSIVE=1`` or no
+other test session runs.
 """
 
 from __future__ import annotations
@@ -38,6 +47,12 @@ from tests.crash.standalone import Standalone
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=seed_from_env())
+    parser.add_argument(
+        "--broker",
+        choices=("redis", "amqp"),
+        default="redis",
+        help="redis, or amqp: RabbitMQ on a vhost of the run's own (Redis result backend)",
+    )
     parser.add_argument("--chaos-seconds", type=float, default=300.0)
     parser.add_argument("--tasks", type=int, default=400)
     parser.add_argument("--workers", type=int, default=4)
@@ -53,15 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the workers' logs")
     args = parser.parse_args(argv)
 
-    if args.restart_redis == "auto":
+    if args.broker == "amqp":
+        restart = False  # Redis is the result backend only: no broker fault touches it
+    elif args.restart_redis == "auto":
         restart = os.environ.get(EXCLUSIVE_ENV) == "1" or not foreign_sessions()
     else:
         restart = args.restart_redis == "yes"
     started = time.monotonic()
-    with Standalone(keep=args.keep) as env:
-        project = env.leased_project(SOURCE, **TIMINGS)
+    with Standalone(keep=args.keep, broker=args.broker) as env:
+        # the result backend (chords): the Redis database, whatever the broker
+        project = env.leased_project(SOURCE, settings={"result_backend": env.redis_url}, **TIMINGS)
         opts = Options(
             seed=args.seed,
+            broker=args.broker,
             chaos_seconds=args.chaos_seconds,
             tasks=args.tasks,
             workers=args.workers,

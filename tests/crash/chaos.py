@@ -2,7 +2,8 @@
 ``scripts/soak.py`` (long, with a summary table).
 
 N real ``celery worker`` processes (prefork and threads pools mixed) on a PostgreSQL
-store and a Redis broker run a mixed workload (:data:`SOURCE`: idempotent steps, a
+store and a Redis broker (or RabbitMQ on a vhost of the run's own, with a Redis result
+backend: ``Options.broker``) run a mixed workload (:data:`SOURCE`: idempotent steps, a
 non-idempotent step, retries, tasks failing by their own logic, long tasks with a
 progress cursor, cancellations, dedup submissions raced by several producer processes,
 and heads with follow-ups: a retrying head followed by a chain of two steps, ``link=``
@@ -16,10 +17,18 @@ schedule drawn from one seed injects faults:
   under the same node name;
 - ``freeze``: SIGSTOP of a whole worker, SIGCONT after a while (shorter or longer
   than the TTL);
-- ``redis``: the broker loses its queued messages: a real ``SHUTDOWN NOSAVE`` and
-  restart when this run may restart services (``restart_redis``), else the project's
-  queues and unacked messages are deleted from its own Redis database (its exchange
-  bindings are kept: clients that never saw a reconnect would not declare them again);
+- ``redis`` (Redis broker): the broker loses its queued messages: a real
+  ``SHUTDOWN NOSAVE`` and restart when this run may restart services
+  (``restart_redis``), else the project's queues and unacked messages are deleted from
+  its own Redis database (its exchange bindings are kept: clients that never saw a
+  reconnect would not declare them again);
+- ``rabbitmq_purge`` (RabbitMQ broker): the broker loses its queued messages: every
+  queue of the run's vhost holding ready messages is purged (messages delivered and not
+  acknowledged yet are not queued: a purge keeps them);
+- ``rabbitmq_disconnect`` (RabbitMQ broker): the broker closes every client connection
+  of the run's vhost (``rabbitmqctl close_all_connections``): workers, the driver and
+  the producers reconnect, the workers' unacknowledged deliveries go back to the queue.
+  The shared RabbitMQ node itself is never restarted;
 - ``pg_terminate``: every connection to the store's database is killed.
 
 When the schedule ends, frozen workers are resumed, dead ones restarted, and the
@@ -62,17 +71,22 @@ from celery_lease.exceptions import IllegalTransition, StoreError
 
 from ..helpers import WorkerProcess
 from .chaos_checks import (
-    FAULT_KINDS,
     SEED_ENV,
     SETTLED,
     Fault,
     FollowUp,
     Report,
+    fault_kinds,
     keep_evidence,
     unsettled_followups,
     verify,
 )
-from .faults import pg_terminate, redis_restart_losing_data
+from .faults import (
+    pg_terminate,
+    rabbitmq_close_connections,
+    rabbitmq_purge_queues,
+    redis_restart_losing_data,
+)
 from .support import LeasedProject
 
 __all__ = ["DEFAULT_SEED", "SEED_ENV", "SOURCE", "TIMINGS", "Options", "Soak", "seed_from_env"]
@@ -89,7 +103,16 @@ TIMINGS: dict[str, Any] = {
     "republish_after": 2.0,
 }
 
-_FAULT_WEIGHTS = (4, 2, 2, 1, 2)
+#: kind -> relative weight in the schedule (after each kind of the run's broker once)
+_FAULT_WEIGHTS: dict[str, int] = {
+    "kill_child": 4,
+    "kill_worker": 2,
+    "freeze": 2,
+    "redis": 1,
+    "rabbitmq_purge": 1,
+    "rabbitmq_disconnect": 1,
+    "pg_terminate": 2,
+}
 
 
 #: The generated project's tasks (after the harness's ``app = Celery(...)`` preamble).
@@ -100,9 +123,10 @@ import time
 from celery_lease import LeasedTask, admin
 from tests.helpers import ExternalSystem
 
-# chords need a result backend: the broker's Redis database (its result keys survive
-# the soak's "queues dropped" fault, as a separate backend would)
-app.conf.result_backend = app.conf.broker_url
+# chords need a result backend: Redis, the broker's database when the broker is Redis
+# (its result keys survive the soak's "queues dropped" fault, as a separate backend
+# would), else the one the project's settings name (RabbitMQ broker)
+app.conf.result_backend = app.conf.result_backend or app.conf.broker_url
 external = ExternalSystem.from_env()
 
 
@@ -230,13 +254,17 @@ class Options:
     """One soak run."""
 
     seed: int
+    #: "redis", or "amqp": RabbitMQ on a vhost of the run's own (the project's broker
+    #: URL), the result backend still Redis
+    broker: str = "redis"
     chaos_seconds: float = 25.0
     tasks: int = 60
     workers: int = 3
     producers: int = 3
     #: bound on the time from the end of the schedule until every task has settled
     settle_timeout: float = 120.0
-    #: really restart Redis (only when this run may restart shared services)
+    #: really restart Redis (only when this run may restart shared services; a Redis
+    #: broker's fault)
     restart_redis: bool = False
     #: the store's database URL, for ``pg_terminate``
     database_url: str = ""
@@ -278,6 +306,8 @@ class Plan:
 
 def make_plan(opts: Options) -> Plan:
     """Draw the workload and the fault schedule from the seed (pure: no I/O)."""
+    kinds_of_faults = fault_kinds(opts.broker)
+    weights_of_faults = [_FAULT_WEIGHTS[k] for k in kinds_of_faults]
     rng = random.Random(opts.seed)
     window = opts.chaos_seconds * 0.8
     # a real Redis restart also loses the result backend's chord counters (they live in
@@ -316,9 +346,9 @@ def make_plan(opts: Options) -> Plan:
     faults = []
     at = rng.uniform(1.0, 2.0)
     # every kind at least once (in a drawn order), then drawn by weight
-    first = rng.sample(FAULT_KINDS, len(FAULT_KINDS))
+    first = rng.sample(kinds_of_faults, len(kinds_of_faults))
     while at < opts.chaos_seconds:
-        kind = first.pop() if first else rng.choices(FAULT_KINDS, _FAULT_WEIGHTS)[0]
+        kind = first.pop() if first else rng.choices(kinds_of_faults, weights_of_faults)[0]
         if kind == "freeze":
             duration = rng.uniform(0.5, 2 * float(TIMINGS["ttl"]) + 1.5)
         elif kind == "kill_worker":
@@ -398,7 +428,9 @@ _POOLS = (("prefork", 2), ("threads", 3), ("prefork", 2), ("threads", 2))
 
 class Soak:
     """One soak on ``project`` (a :class:`LeasedProject` built with :data:`SOURCE` and
-    :data:`TIMINGS`, PostgreSQL store, Redis broker at ``redis_url``)."""
+    :data:`TIMINGS`, PostgreSQL store). ``redis_url`` is its Redis database: the broker
+    (``opts.broker == "redis"``), else the result backend, RabbitMQ being the broker (the
+    project's broker URL, on a vhost of the run's own)."""
 
     def __init__(
         self,
@@ -688,10 +720,17 @@ class Soak:
     def inject(self, event: Event) -> None:
         import psycopg
         import redis
+        from kombu.exceptions import OperationalError as BrokerError
 
         try:
             getattr(self, f"_{event.kind}")(event)
-        except (StoreError, psycopg.OperationalError, redis.ConnectionError) as error:
+        except (
+            StoreError,
+            psycopg.OperationalError,
+            redis.ConnectionError,
+            BrokerError,
+            ConnectionError,
+        ) as error:
             # the driver's own reads meet killed connections, and a busy shared server may
             # refuse one ("too many clients"): a fault not injected is not a violation
             self.log(f"{event.kind}: not injected, a service did not answer ({error})")
@@ -763,6 +802,20 @@ class Soak:
         else:
             dropped = drop_queued_messages(self.redis_url)
             self.fault("redis", f"{dropped} keys of queued/unacked messages deleted", waiting)
+
+    def _rabbitmq_purge(self, event: Event) -> None:
+        """The broker loses the messages queued in the run's vhost."""
+        waiting = sorted(r.id for r in self.p.store.list_tasks(state=State.PENDING, limit=10_000))
+        purged, queues = rabbitmq_purge_queues(self.p.project.broker_url)
+        self.fault("rabbitmq_purge", f"{purged} messages purged from {queues} queues", waiting)
+
+    def _rabbitmq_disconnect(self, event: Event) -> None:
+        """The broker closes every client connection of the run's vhost."""
+        running = sorted(r.id for r in self.running())
+        closed = rabbitmq_close_connections(
+            self.p.project.broker_url, f"soak seed {self.opts.seed}: fault injected"
+        )
+        self.fault("rabbitmq_disconnect", f"{closed} connections closed", running)
 
     def _pg_terminate(self, event: Event) -> None:
         """Kill every connection to the store's database."""

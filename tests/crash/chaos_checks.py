@@ -29,7 +29,35 @@ if TYPE_CHECKING:
 #: Environment variable holding the soak's seed (the test's and the script's default).
 SEED_ENV = "CELERY_LEASE_SOAK_SEED"
 
-FAULT_KINDS = ("kill_child", "kill_worker", "freeze", "redis", "pg_terminate")
+#: Every kind of fault; a run draws those of its broker (:func:`fault_kinds`).
+FAULT_KINDS = (
+    "kill_child",
+    "kill_worker",
+    "freeze",
+    "redis",
+    "pg_terminate",
+    "rabbitmq_purge",
+    "rabbitmq_disconnect",
+)
+#: The broker's own faults: Redis losing its messages (restarted, or the project's keys
+#: deleted); RabbitMQ losing the ready messages of the soak's vhost (its queues purged),
+#: or closing every client connection of that vhost (workers and producers reconnect).
+BROKER_FAULTS: dict[str, tuple[str, ...]] = {
+    "redis": ("redis",),
+    "amqp": ("rabbitmq_purge", "rabbitmq_disconnect"),
+}
+#: Faults that lose queued messages: the PENDING tasks they hit recover by being claimed
+#: again (after the reaper published them again).
+_MESSAGE_LOSSES = frozenset({"redis", "rabbitmq_purge"})
+
+
+def fault_kinds(broker: str) -> tuple[str, ...]:
+    """The fault kinds of a run on ``broker`` ("redis" or "amqp"), in drawing order (a
+    Redis run's are the five kinds its seeds were drawn with, in their order)."""
+    if broker not in BROKER_FAULTS:
+        raise ValueError(f"unknown broker {broker!r}: one of {sorted(BROKER_FAULTS)}")
+    return ("kill_child", "kill_worker", "freeze", *BROKER_FAULTS[broker], "pg_terminate")
+
 
 #: States a task may rest in once the system is left alone.
 SETTLED = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED, State.WAIT_MANUAL})
@@ -145,9 +173,14 @@ class Report:
     def table(self) -> str:
         """The summary: tasks, faults by kind, outcomes, duplicates, losses, recovery."""
         o = self.opts
+        if o.broker == "amqp":
+            broker = "RabbitMQ broker on a vhost of its own (purged, connections closed)"
+        else:
+            broker = f"Redis {'restarted' if o.restart_redis else 'queues dropped'}"
+        kinds = fault_kinds(o.broker)
         lines = [
             f"chaos soak: seed {o.seed}, {o.workers} workers, {o.chaos_seconds:g} s of chaos, "
-            f"Redis {'restarted' if o.restart_redis else 'queues dropped'}",
+            f"{broker}",
             "",
             "| measure | value |",
             "|---|---|",
@@ -155,7 +188,7 @@ class Report:
             f"| worker restarts | {self.restarts} |",
         ]
         by_kind = Counter(f.kind for f in self.faults)
-        for kind in FAULT_KINDS:
+        for kind in kinds:
             lines.append(f"| faults: {kind} | {by_kind.get(kind, 0)} |")
         for state, n in sorted(self.outcomes().items()):
             lines.append(f"| outcome: {state} | {n} |")
@@ -182,7 +215,7 @@ class Report:
             "| p50 | p90 | p99 | max |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for kind in FAULT_KINDS:
+        for kind in kinds:
             values = sorted(self.recovery.get(kind, []))
             hit = sum(len(f.affected) for f in self.faults if f.kind == kind)
             cells = [_fmt(_quantile(values, q)) for q in (0.5, 0.9, 0.99)]
@@ -355,6 +388,9 @@ _EXPIRY_CAUSES: dict[str, tuple[str, ...]] = {
     "kill_worker": ("restarted", "heartbeat older than the TTL"),
     "freeze": ("heartbeat older than the TTL", "self-fenced"),
     "pg_terminate": ("store unavailable", "self-fenced"),
+    # a lost broker connection clears the worker's reservations: what it claimed ahead
+    # for them is given back
+    "rabbitmq_disconnect": ("no longer holds its delivery",),
 }
 
 
@@ -363,8 +399,8 @@ def _recovery(project: LeasedProject, report: Report) -> None:
     (claim) after a lease expiry (RUNNING -> TIMEOUT) that followed the fault, for a
     reason that fault can cause (a task the driver saw on a worker may have been hit
     by a concurrent fault it did not see). A next attempt without an expiry in between
-    is the task's own retry, not a recovery; a ``redis`` fault hits PENDING tasks, whose
-    next claim (after a re-publish) is their recovery.
+    is the task's own retry, not a recovery; a ``redis`` or ``rabbitmq_purge`` fault hits
+    PENDING tasks, whose next claim (after a re-publish) is their recovery.
 
     A recovery is credited to the latest fault that hit the task before it: a task hit
     by a ``pg_terminate`` and then by a ``kill_child`` owes its re-run to the kill."""
@@ -388,7 +424,7 @@ def _recovery(project: LeasedProject, report: Report) -> None:
             claims, expiries = trails[task_id]
             claim = next((at for at in claims if at > fault.at), None)
             expiry = next((e for e in expiries if e[0] > fault.at), None)
-            if fault.kind == "redis":
+            if fault.kind in _MESSAGE_LOSSES:
                 recovered = claim is not None
             else:
                 causes = _EXPIRY_CAUSES[fault.kind]

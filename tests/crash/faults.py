@@ -277,6 +277,111 @@ def rabbitmq_restart_app() -> None:
         wait_until(rabbitmq_up, timeout=180, interval=0.5, message="RabbitMQ did not come back")
 
 
+# -- RabbitMQ faults scoped to one virtual host (the shared node is never restarted) ----------
+
+
+def vhost_of(amqp_url: str) -> str:
+    """The virtual host of an AMQP URL (``amqp://user:pw@host:port/vhost``; "/" if none)."""
+    from urllib.parse import unquote, urlsplit
+
+    return unquote(urlsplit(amqp_url).path[1:]) or "/"
+
+
+def with_vhost(amqp_url: str, vhost: str) -> str:
+    """``amqp_url`` on another virtual host."""
+    from urllib.parse import quote
+
+    return amqp_url.rsplit("/", 1)[0] + "/" + quote(vhost, safe="")
+
+
+def _own_vhost(amqp_url: str) -> str:
+    vhost = vhost_of(amqp_url)
+    if vhost == "/":
+        # the default vhost is shared by every session on the machine
+        raise ValueError(f"{amqp_url}: a fault needs a virtual host of its own, not '/'")
+    return vhost
+
+
+def _rabbitmqctl(*argv: str, timeout: float = 60.0) -> str:
+    """Run ``rabbitmqctl -q ARGV``; its output, or :class:`ConnectionError` (the node did
+    not answer, the command failed)."""
+    try:
+        proc = _run(["rabbitmqctl", "-q", *argv], timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise ConnectionError(f"rabbitmqctl {' '.join(argv)}: {error}") from error
+    if proc.returncode != 0:
+        raise ConnectionError(
+            f"rabbitmqctl {' '.join(argv)} exited {proc.returncode}: "
+            f"{(proc.stderr or proc.stdout).strip()}"
+        )
+    return proc.stdout
+
+
+def rabbitmq_add_vhost(amqp_url: str) -> None:
+    """Create the virtual host of ``amqp_url`` and grant its user everything on it (as
+    ``tests/conftest.py`` does for the test sessions); one that exists is kept."""
+    from urllib.parse import unquote, urlsplit
+
+    vhost = _own_vhost(amqp_url)
+    user = unquote(urlsplit(amqp_url).username or "guest")
+    for argv in (["add_vhost", vhost], ["set_permissions", "-p", vhost, user, ".*", ".*", ".*"]):
+        try:
+            _rabbitmqctl(*argv)
+        except ConnectionError as error:
+            if "already_exists" not in str(error):
+                raise
+
+
+def rabbitmq_delete_vhost(amqp_url: str) -> None:
+    """Delete the virtual host of ``amqp_url`` (its queues, messages and connections)."""
+    _rabbitmqctl("delete_vhost", _own_vhost(amqp_url))
+
+
+def rabbitmq_purge_queues(amqp_url: str) -> tuple[int, int]:
+    """The broker loses the messages queued in the virtual host of ``amqp_url`` (its own):
+    every queue of it holding ready messages is purged (``queue.purge``); messages
+    delivered and not acknowledged yet are not queued, so they are kept, as a purge
+    keeps them. Returns (messages purged, queues purged)."""
+    from amqp.exceptions import NotFound
+    from kombu import Connection
+
+    vhost = _own_vhost(amqp_url)
+    listed = _rabbitmqctl(
+        "list_queues", "-p", vhost, "--no-table-headers", "name", "messages_ready"
+    )
+    names = []
+    for line in listed.splitlines():
+        name, _, ready = line.rpartition("\t")
+        if name and ready.strip().isdigit() and int(ready) > 0:
+            names.append(name)
+    purged = queues = 0
+    if not names:
+        return 0, 0
+    with Connection(amqp_url, connect_timeout=5) as conn:
+        try:
+            channel = conn.channel()
+            for name in names:
+                try:
+                    purged += int(channel.queue_purge(name) or 0)
+                    queues += 1
+                except NotFound:  # an auto-delete queue (a reply queue) went away meanwhile
+                    channel = conn.channel()
+        except (*conn.connection_errors, *conn.channel_errors) as error:
+            raise ConnectionError(f"purging {vhost}: {error!r}") from error
+    return purged, queues
+
+
+def rabbitmq_close_connections(amqp_url: str, reason: str = "fault injected") -> int:
+    """The broker closes every client connection of the virtual host of ``amqp_url`` (its
+    own; the clients see ``CONNECTION_FORCED`` and must reconnect). Returns how many."""
+    out = _rabbitmqctl("close_all_connections", "-p", _own_vhost(amqp_url), reason)
+    for line in out.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "Closed" and words[1].isdigit():
+            return int(words[1])
+    return 0
+
+
 def pg_cluster() -> str:
     versions = sorted(os.listdir("/etc/postgresql"))
     return versions[-1]

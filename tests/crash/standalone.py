@@ -5,7 +5,9 @@ counting stub, generated projects and their worker processes), as a context mana
 
 Services (as for the test suite): ``CELERY_LEASE_TEST_PG_ADMIN_URL`` (default
 ``postgresql://postgres@127.0.0.1:5432/test``) and ``CELERY_LEASE_TEST_REDIS_URL``
-(default ``redis://127.0.0.1:6379/10``, a database the scripts flush).
+(default ``redis://127.0.0.1:6379/10``, a database the scripts flush); with a RabbitMQ
+broker, ``CELERY_LEASE_TEST_AMQP_URL`` (default ``amqp://guest:guest@127.0.0.1:5672//``)
+names the server and user, the environment making a vhost of its own there.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from celery_lease.config import LeaseConfig
 from celery_lease.store import Store
 
 from ..helpers import EXTERNAL_ENV, ExternalSystem, ProcessRegistry, WorkerProject, lease_settings
+from .faults import rabbitmq_add_vhost, rabbitmq_delete_vhost, vhost_of, with_vhost
 from .support import GATES_ENV, Gates, LeasedProject
 
 PG_ADMIN_URL = os.environ.get(
     "CELERY_LEASE_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
 REDIS_URL = os.environ.get("CELERY_LEASE_TEST_REDIS_URL", "redis://127.0.0.1:6379/10")
+AMQP_URL = os.environ.get("CELERY_LEASE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 
 def _libpq(url: str) -> str:
@@ -57,18 +61,36 @@ def _flush_redis(url: str) -> None:
 class Standalone:
     """A scratch environment: ``with Standalone() as env: p = env.project(SOURCE, ...)``.
 
+    The projects' broker is the Redis database, or with ``broker="amqp"`` RabbitMQ
+    (``amqp_url``'s server and user) on a virtual host of the environment's own, made on
+    entry (:attr:`broker_url`).
+
     Everything started is killed on exit, the database is dropped, the Redis database
-    flushed; when ``keep`` is set (a violation) or the block raised, the database, the
-    Redis database and the directory with the workers' logs are kept instead, and
-    where they are is printed.
+    flushed, the virtual host deleted; when ``keep`` is set (a violation) or the block
+    raised, the database, the Redis database, the virtual host and the directory with
+    the workers' logs are kept instead, and where they are is printed.
     """
 
     def __init__(
-        self, *, redis_url: str = REDIS_URL, pg_admin_url: str = PG_ADMIN_URL, keep: bool = False
+        self,
+        *,
+        redis_url: str = REDIS_URL,
+        pg_admin_url: str = PG_ADMIN_URL,
+        keep: bool = False,
+        broker: str = "redis",
+        amqp_url: str = AMQP_URL,
     ) -> None:
+        if broker not in ("redis", "amqp"):
+            raise ValueError(f"broker {broker!r}: 'redis' or 'amqp'")
         self.redis_url = redis_url
         self.pg_admin_url = pg_admin_url
         self.keep = keep
+        #: the projects' broker: the Redis database, or a RabbitMQ vhost of this run's own
+        self.broker_url = (
+            with_vhost(amqp_url, f"celery-lease-script-{os.getpid()}")
+            if broker == "amqp"
+            else redis_url
+        )
         self.database = f"celery_lease_script_{os.getpid()}"
         self.database_url = (
             make_url(pg_admin_url).set(database=self.database).render_as_string(False)
@@ -86,6 +108,8 @@ class Standalone:
         _pg(self.pg_admin_url, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
         _pg(self.pg_admin_url, sql.SQL("CREATE DATABASE {}").format(name))
         _flush_redis(self.redis_url)
+        if self.broker_url != self.redis_url:
+            rabbitmq_add_vhost(self.broker_url)
         return self
 
     def __exit__(
@@ -114,9 +138,19 @@ class Standalone:
                 f"{self.redis_url} (flushed by the next run)",
                 flush=True,
             )
+            if self.broker_url != self.redis_url:
+                vhost = vhost_of(self.broker_url)
+                print(
+                    f"RabbitMQ vhost kept: {vhost} (delete it with rabbitmqctl delete_vhost "
+                    f"{vhost})",
+                    flush=True,
+                )
             return
         with contextlib.suppress(Exception):
             _flush_redis(self.redis_url)
+        if self.broker_url != self.redis_url:
+            with contextlib.suppress(Exception):
+                rabbitmq_delete_vhost(self.broker_url)
         name = sql.Identifier(self.database)
         with contextlib.suppress(Exception):
             _pg(self.pg_admin_url, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
@@ -144,7 +178,7 @@ class Standalone:
         external = ExternalSystem(directory / "external.sqlite3")
         project = WorkerProject(
             directory,
-            broker_url=self.redis_url,
+            broker_url=self.broker_url,
             queue=f"script-{uuid.uuid4().hex[:10]}",
             source=source,
             settings=settings,

@@ -14,14 +14,25 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from celery import chord
 
+from ..helpers import wait_until
 from .chaos import SOURCE, TIMINGS, Options, Soak, seed_from_env
 from .chaos_checks import FollowUp, Report, keep_evidence
-from .faults import EXCLUSIVE_ENV, foreign_sessions
+from .faults import (
+    EXCLUSIVE_ENV,
+    foreign_sessions,
+    rabbitmq_add_vhost,
+    rabbitmq_close_connections,
+    rabbitmq_delete_vhost,
+    rabbitmq_purge_queues,
+    with_vhost,
+)
 from .support import LeaseEnv, pg_only
 
 
@@ -77,3 +88,61 @@ def test_a_violation_keeps_its_evidence(
     assert [a["to_state"] for a in member["audit"]] == ["PENDING"]
     group = chorded.parent.id
     assert any(group in key for key in evidence["redis_keys"])  # the chord's counter keys
+
+
+@pytest.fixture
+def soak_vhost(amqp_url: str) -> Iterator[str]:
+    """A RabbitMQ virtual host of the test's own (as ``scripts/soak.py --broker amqp``
+    makes one), deleted after it."""
+    url = with_vhost(amqp_url, f"lease-soak-{uuid.uuid4().hex[:8]}")
+    rabbitmq_add_vhost(url)
+    try:
+        yield url
+    finally:
+        rabbitmq_delete_vhost(url)
+
+
+def test_the_rabbitmq_faults_lose_the_queued_messages_and_drop_the_clients(
+    soak_vhost: str, amqp_url: str
+) -> None:
+    # the soak's RabbitMQ faults (--broker amqp): the ready messages of every queue of
+    # its vhost are purged (a delivered, unacknowledged one is not queued: kept), then
+    # every connection of that vhost is closed by the broker, and none of another vhost
+    from kombu import Connection
+
+    with (
+        Connection(soak_vhost, connect_timeout=5) as client,
+        Connection(amqp_url, connect_timeout=5) as elsewhere,
+    ):
+        channel = client.channel()
+        for queue, count in (("soak-a", 3), ("soak-b", 2), ("soak-empty", 0)):
+            channel.queue_declare(queue, durable=True, auto_delete=False)
+            for i in range(count):
+                channel.basic_publish(channel.prepare_message(f"m{i}".encode()), "", queue)
+        held = channel.basic_get("soak-b", no_ack=False)  # delivered, not acknowledged
+        assert held is not None
+        wait_until(lambda: channel.queue_declare("soak-a", passive=True).message_count == 3)
+        elsewhere.default_channel.queue_declare(
+            f"soak-other-{uuid.uuid4().hex[:8]}", exclusive=True
+        )
+
+        assert rabbitmq_purge_queues(soak_vhost) == (4, 2)
+        for queue in ("soak-a", "soak-b", "soak-empty"):
+            assert channel.queue_declare(queue, passive=True).message_count == 0
+
+        assert rabbitmq_close_connections(soak_vhost, "soak test") == 1
+        with pytest.raises(client.connection_errors):
+            client.drain_events(timeout=10)
+        # the other vhost's connection still works
+        assert (
+            elsewhere.default_channel.queue_declare(
+                f"soak-other-{uuid.uuid4().hex[:8]}", exclusive=True
+            ).message_count
+            == 0
+        )
+
+    with Connection(soak_vhost, connect_timeout=5) as again:
+        # the delivered message went back to its queue with its connection
+        wait_until(
+            lambda: again.default_channel.queue_declare("soak-b", passive=True).message_count == 1
+        )
