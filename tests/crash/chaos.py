@@ -573,6 +573,13 @@ class Soak:
             if at <= now:
                 del self.restart_at[name]
                 self.restart(self.node(name))
+        # a worker that exited on its own (not one the schedule killed, waiting for its
+        # restart) is started again at once, as a supervisor (systemd, Kubernetes) would
+        for worker in self.workers:
+            if worker.nodename not in self.restart_at and not worker.is_alive():
+                self.report.died += 1
+                self.log(f"{worker.nodename} exited on its own (code {worker.returncode})")
+                self.restart(worker)
 
     def thaw(self, worker: WorkerProcess) -> None:
         with self._frozen_lock:

@@ -134,6 +134,9 @@ class Report:
     args: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     faults: list[Fault] = dataclasses.field(default_factory=list)
     restarts: int = 0
+    #: Workers that exited on their own (not killed by the schedule), restarted as a
+    #: supervisor would (Celery's "Could not start worker processes", say).
+    died: int = 0
     records: dict[str, TaskRecord] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
     duplicate_effects: int = 0
@@ -186,6 +189,7 @@ class Report:
             "|---|---|",
             f"| tasks submitted | {len(self.kinds)} |",
             f"| worker restarts | {self.restarts} |",
+            f"| workers that exited on their own (restarted) | {self.died} |",
         ]
         by_kind = Counter(f.kind for f in self.faults)
         for kind in kinds:
