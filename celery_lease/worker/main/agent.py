@@ -75,7 +75,8 @@ from ..._incarnation import Incarnation
 from ..._runtime import Runtime
 from ...exceptions import StoreError
 from ...producer.message import revision_of
-from ...store import Claim
+from ...states import State
+from ...store import Claim, Lease
 from .. import protocol
 
 logger = logging.getLogger("celery_lease.worker")
@@ -577,25 +578,16 @@ class _Agent:
                     self.store.request_cancel(
                         lease.task_id, actor=inc.actor, reason=reason, keep_earlier=True
                     )
-                    self.store.expire(
-                        actor=inc.actor,
-                        reason=reason,
-                        task_ids=[lease.task_id],
-                        owners=[inc.id],
-                        attempt=lease.attempt,
-                        only_expired=False,
-                    )
-                elif not self.store.unclaim(lease, inc.id, inc.actor, reason):
-                    # a cancel was requested meanwhile (or the row moved on): the
-                    # lease's expiry decides, as for a lost run
-                    self.store.expire(
-                        actor=inc.actor,
-                        reason=reason,
-                        task_ids=[lease.task_id],
-                        owners=[inc.id],
-                        attempt=lease.attempt,
-                        only_expired=False,
-                    )
+                    done = self._expire(lease, reason)
+                else:
+                    # a cancel requested meanwhile (or the row moved on): the lease's
+                    # expiry decides, as for a lost run
+                    done = self.store.unclaim(lease, inc.id, inc.actor, reason)
+                    done = done or self._expire(lease, reason)
+                if not done and self._still_held(lease):
+                    # the expiry skips a row another transaction has locked (the main
+                    # process recording the same revoke, say): tried again next round
+                    kept.append((claim, reason, cancel))
             except StoreError:
                 kept.append((claim, reason, cancel))
             except Exception:
@@ -603,6 +595,28 @@ class _Agent:
                     "celery-lease: lease agent: claim of %s not given back", lease.task_id
                 )
         self.give_back = kept
+
+    def _expire(self, lease: Lease, reason: str) -> bool:
+        inc = self.inc
+        expired = self.store.expire(
+            actor=inc.actor,
+            reason=reason,
+            task_ids=[lease.task_id],
+            owners=[inc.id],
+            attempt=lease.attempt,
+            only_expired=False,
+        )
+        return bool(expired)
+
+    def _still_held(self, lease: Lease) -> bool:
+        """Whether this claim's attempt is still RUNNING under this worker."""
+        record = self.store.get(lease.task_id)
+        return (
+            record is not None
+            and record.state is State.RUNNING
+            and record.owner == self.inc.id
+            and record.attempt == lease.attempt
+        )
 
     def _give_back_all(self) -> None:
         """The worker stops: give back every claim made ahead not handed over yet (a
