@@ -54,24 +54,38 @@ def fail_once(self, key):
 )
 
 
+#: The prefix of a task's result key, and of the channel Celery publishes its writes on.
+META_PREFIX = "celery-task-meta-"
+
+
 class BackendWrites:
     """Every state written to the Redis result keys of some tasks, in order (pub/sub)."""
 
     def __init__(self, url: str) -> None:
         self.client = redis.Redis.from_url(url)
         self.pubsub: Any = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        self.pubsub.psubscribe("celery-task-meta-*")
+        self.pubsub.psubscribe(f"{META_PREFIX}*")
         self.states: dict[str, list[str]] = defaultdict(list)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        # pub/sub channels are the server's, not one database's: a test of another
+        # xdist worker publishes on them too (group and chord metas among them, which
+        # carry no task_id), so a write is named by its channel, and what is not a
+        # task state is passed over instead of ending the listener
         while not self._stop.is_set():
             message = self.pubsub.get_message(timeout=0.1)
-            if message is not None and message["type"] == "pmessage":
-                meta = json.loads(message["data"])
-                self.states[meta["task_id"]].append(meta["status"])
+            if message is None or message["type"] != "pmessage":
+                continue
+            task_id = message["channel"].decode().removeprefix(META_PREFIX)
+            try:
+                status = json.loads(message["data"]).get("status")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(status, str):
+                self.states[task_id].append(status)
 
     def wait_final(self, task_ids: list[str]) -> None:
         """Wait until each task's SUCCESS was written (the worker writes it after the row)."""
