@@ -150,24 +150,6 @@ def test_the_main_process_benchmark_prints_its_table(pg_url: str, redis_url: str
     ]
 
 
-@pytest.mark.timeout(600)
-def test_the_held_benchmark_prints_its_table_and_the_sweeps_plans(
-    pg_url: str, redis_url: str
-) -> None:
-    proc = _run(["bench_held.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 500)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| lease_hold_eta_after | due per second | submit (s) |")
-    assert [r.split(" | ")[0] for r in rows[1:]] == [
-        "| held (lease_hold_eta_after 20)",
-        "| None (plain)",
-    ]
-    # both plans read the partial index of the held rows
-    assert "Index Scan using lease_tasks_held_eta" in proc.stdout
-    assert "USING INDEX lease_tasks_held_eta" in proc.stdout
-
-
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
 def test_the_store_lifecycle_benchmark_prints_its_table(pg_url: str, redis_url: str) -> None:
