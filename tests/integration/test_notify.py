@@ -281,9 +281,12 @@ class BlackHole:
         with contextlib.suppress(OSError):  # wakes the accept() below; close() alone does not
             self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
+        # the accepting thread first: a connection it accepted as the server shut down is
+        # in ``conns`` only once it has returned, and left open it would hang its client
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "the accepting thread did not stop"
         for conn in self.conns:
             conn.close()
-        self._thread.join(10)
 
 
 def test_a_hung_broker_and_backend_never_block_or_break_a_transition(
