@@ -251,13 +251,48 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 _turn_held: list[bool] = []
 
 
+def _turn_record(folder: Path, line: str) -> None:
+    """Append one line to the run's record of turns (one ``write`` in append mode: the
+    lines of several processes never interleave)."""
+    fd = os.open(folder / "turns", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _turns_overlapping(folder: Path, since: float) -> list[str]:
+    """The turns of other processes held at some moment from ``since`` until now, read
+    from the run's record: ``begin`` lines with no ``end`` line yet count as held."""
+    held: dict[tuple[str, str], tuple[float, str]] = {}
+    found = []
+    me = str(os.getpid())
+    for line in (folder / "turns").read_text().splitlines():
+        what, pid, seq, at, label = line.split(" ", 4)
+        if pid == me:
+            continue
+        if what == "begin":
+            held[(pid, seq)] = (float(at), label)
+        else:
+            _start, _label = held.pop((pid, seq), (0.0, label))
+            if float(at) >= since:
+                found.append(f"{_label} (process {pid}) ended {float(at) - since:+.3f} s")
+    found += [f"{label} (process {pid}) still held" for (pid, _), (_, label) in held.items()]
+    return found
+
+
 @contextlib.contextmanager
-def turn(exclusive: bool) -> Iterator[None]:
+def turn(exclusive: bool, label: str = "") -> Iterator[None]:
     """A readers-writer lock over the xdist workers of one run: a test holds it shared,
     an ``exclusive`` test alone. An exclusive test takes the gate first and keeps it
-    while it waits for the running tests to end, so no new test starts meanwhile."""
+    while it waits for the running tests to end, so no new test starts meanwhile.
+
+    Every turn is recorded in the run's folder, and an exclusive turn checks at its end
+    that no other process held one meanwhile: a test that restarts a service while
+    another runs would break that other test in ways that point nowhere near here."""
     import fcntl
     import tempfile
+    import time
 
     if not XDIST_WORKER or _turn_held:
         yield  # one process, or this process has its turn already
@@ -265,6 +300,8 @@ def turn(exclusive: bool) -> Iterator[None]:
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "solo")
     folder = Path(tempfile.gettempdir()) / f"celery-lease-tests-{run}"
     folder.mkdir(exist_ok=True)
+    kind = "exclusive" if exclusive else "shared"
+    seq = uuid.uuid4().hex[:8]
     with open(folder / "gate", "a") as gate, open(folder / "lock", "a") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
@@ -273,13 +310,18 @@ def turn(exclusive: bool) -> Iterator[None]:
             if not exclusive:
                 fcntl.flock(gate, fcntl.LOCK_UN)
         _turn_held.append(exclusive)
+        since = time.time()
+        _turn_record(folder, f"begin {os.getpid()} {seq} {since:.6f} {kind}:{label}")
         try:
             yield
         finally:
+            others = _turns_overlapping(folder, since) if exclusive else []
+            _turn_record(folder, f"end {os.getpid()} {seq} {time.time():.6f} {kind}:{label}")
             _turn_held.clear()
             fcntl.flock(lock, fcntl.LOCK_UN)
             if exclusive:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+            assert not others, f"{label} ran beside other turns: " + "; ".join(others)
 
 
 @pytest.fixture(autouse=True)
@@ -287,7 +329,8 @@ def parallel_turn(request: pytest.FixtureRequest) -> Iterator[None]:
     """Under pytest-xdist, a test marked ``exclusive`` (it restarts a shared service)
     runs while no other worker runs a test; the others run side by side. Held around
     everything the test starts (``harness`` depends on it)."""
-    with turn(request.node.get_closest_marker("exclusive") is not None):
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    with turn(exclusive, request.node.nodeid):
         yield
 
 
@@ -361,7 +404,7 @@ def pg_url() -> Iterator[str]:
     name = f"{_SESSION_DB_PREFIX}{os.getpid()}"
     ident = sql.Identifier(name)
     try:
-        with turn(exclusive=False):  # never while another xdist worker restarts a service
+        with turn(exclusive=False, label="pg_url"):  # never while a service restarts
             _drop_stale_session_databases()
             pg_execute(
                 PG_ADMIN_URL,
@@ -375,7 +418,7 @@ def pg_url() -> Iterator[str]:
             pytrace=False,
         )
     yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    with turn(exclusive=False):
+    with turn(exclusive=False, label="pg_url teardown"):
         pg_execute(PG_ADMIN_URL, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
 
 

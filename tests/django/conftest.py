@@ -61,7 +61,7 @@ def django_project() -> Iterator[Any]:
         del os.environ["DJANGO_SETTINGS_MODULE"]
     setup_test_environment()
     try:
-        with turn(exclusive=False):  # never while another xdist worker restarts a service
+        with turn(exclusive=False, label="django test database"):  # never while a service restarts
             old = setup_databases(verbosity=0, interactive=False, keepdb=False)
     except Exception as exc:
         teardown_test_environment()
@@ -82,7 +82,7 @@ def django_project() -> Iterator[Any]:
             notify.flush(store, 10)
         close_connections()
         _close_other_sessions()
-        with turn(exclusive=False):
+        with turn(exclusive=False, label="django test database teardown"):
             teardown_databases(old, verbosity=0)
         teardown_test_environment()
         if saved_url is not None:
