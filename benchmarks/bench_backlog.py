@@ -72,7 +72,7 @@ def scenario(ctx: Context, broker: str, age_only: bool) -> dict[str, Any]:
     from celery_lease._runtime import runtime
     from celery_lease.reaper import Reaper
 
-    n = ctx.scale(3000, 200)
+    n = ctx.scale(3000, 100)
     hold_for = ctx.scale(65.0, 4.0)  # quick: still two sweeps past lease_republish_after
     broker_url = BROKERS[broker]
     queue = new_queue("backlog")

@@ -162,7 +162,7 @@ def run(ctx: Context) -> Section:
     """Capacity of one PostgreSQL store."""
     section = Section("capacity", "11. Capacity: 4 workers x prefork 2 on one PostgreSQL")
     started = time.time()
-    n = ctx.scale(20_000, 400)
+    n = ctx.scale(20_000, 200)
     rounds = ctx.scale(3, 1)
     rows = []
     for r in range(rounds):

@@ -126,9 +126,11 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
     at = next(i for i, line in enumerate(lines) if line.startswith(HELD_HEADER))
     held_rows = list(itertools.takewhile(lambda line: line.startswith("| "), lines[at + 2 :]))
     assert [r.split(" | ")[0] for r in held_rows] == [
-        "| held (lease_hold_eta_after 20)",
+        "| held (lease_hold_eta_after 6)",  # a quick run's threshold, below its lead
         "| None (plain)",
     ]
+    # held: nothing reached the broker or a worker before the first ETA
+    assert held_rows[0].split(" | ")[3:5] == ["0", "0"], held_rows[0]
     assert "Index Scan using lease_tasks_held_eta" in proc.stdout
     assert "USING INDEX lease_tasks_held_eta" in proc.stdout
 
