@@ -225,10 +225,15 @@ class BacklogGuard:
 
     def filter(self, store: Store, rows: Sequence[Publishable]) -> tuple[list[Publishable], int]:
         """Of ``rows`` (just reserved by ``take_unpublished``), those to publish now, and
-        how many were held back because their queue still holds messages."""
+        how many were held back because their queue still holds messages (and no task
+        submitted after them to that queue was claimed yet: :meth:`Store.overtaken`)."""
         if not rows:
             return list(rows), 0
         queued = self.still_queued([(r.id, r.name, r.options) for r in rows])
+        if queued:
+            # a busy queue may hold the message, unless later tasks of its queue were
+            # already handed out: then it is not in there any more
+            queued -= store.overtaken(sorted(queued))
         if not queued:
             return list(rows), 0
         skip = set(store.hold_published([r.id for r in rows if r.id in queued]))

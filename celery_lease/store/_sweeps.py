@@ -480,6 +480,55 @@ class Sweeps(StoreBase):
 
         return self._tx(op)
 
+    def overtaken(self, task_ids: Sequence[str]) -> set[str]:
+        """Of these PENDING rows, published once, those whose message was overtaken: a
+        task of the same name and routing (so the same queue, at the same priority),
+        submitted more than ``lease_republish_after`` later and published once, has been
+        claimed. A queue hands out its messages in order, so such a row's message is not
+        waiting in the queue any more: it was lost (or it waits in a dead consumer's
+        prefetch), however long the queue stays busy.
+
+        Times are submission times (``created_at``, database time), which a message is
+        published right after; a row published more than once is left to the backlog
+        rule (its last publication's time is not kept). A message that was in fact only
+        late (a producer held up for longer than ``lease_republish_after`` between its
+        insert and its publish) is published a second time, and that copy is dropped at
+        claim."""
+        if not task_ids:
+            return set()
+        t = self.t.tasks
+        later = t.alias("later")
+        margin = self.config.republish_after
+        claimed_states = [s.value for s in State if s is not State.PENDING]
+
+        def op(conn: Connection) -> set[str]:
+            evidence = (
+                select(later.c.id)
+                .where(
+                    later.c.state.in_(claimed_states),  # the (state, created_at) index
+                    later.c.created_at > after(t.c.created_at, margin),
+                    later.c.name == t.c.name,
+                    or_(
+                        later.c.options == t.c.options,
+                        and_(later.c.options.is_(None), t.c.options.is_(None)),
+                    ),
+                    later.c.publish_count == 1,
+                    later.c.started_at.is_not(None),
+                )
+                .limit(1)
+            )
+            rows = conn.execute(
+                select(t.c.id).where(
+                    t.c.id.in_(list(task_ids)),
+                    state_is(t, State.PENDING),
+                    t.c.publish_count == 1,
+                    evidence.exists(),
+                )
+            ).all()
+            return {str(r.id) for r in rows}
+
+        return self._read(op)
+
     def take_follow_ups(self, *, limit: int | None = None) -> list[FollowUps]:
         """SUCCEEDED rows whose follow-ups were recorded more than ``lease_publish_grace``
         ago and not marked published (their worker died, or the broker refused them):

@@ -17,7 +17,7 @@ import pytest
 
 from celery_lease import State, admin
 
-from ..crash.support import LeaseEnv, queue_depth, report
+from ..crash.support import LeaseEnv, queue_depth, released, report
 from ..helpers import wait_until
 
 BROKERS = pytest.mark.parametrize(
@@ -112,3 +112,61 @@ def test_a_lost_message_is_republished_once_the_queue_is_empty(
         p.wait_state(task_id, State.SUCCEEDED, timeout=60)
     report("lost messages: loss -> all SUCCEEDED", time.monotonic() - lost_at)
     assert p.external.count("add") == n
+
+
+def drop_head_message(broker_url: str, queue: str) -> str:
+    """The broker loses the message at the head of ``queue``; its task id."""
+    from kombu import Connection
+
+    with Connection(broker_url, connect_timeout=5) as conn:
+        channel: Any = conn.channel()
+        try:
+            message = channel.basic_get(queue, no_ack=True)
+            assert message is not None, f"{queue} is empty"
+            return str(message.headers["id"])
+        finally:
+            channel.close()
+
+
+def publish_count(p: Any, task_id: str) -> int:
+    """How many times the row's message was published (the store's own count)."""
+    from sqlalchemy import select
+
+    t = p.store.t.tasks
+    with p.store.engine.connect() as conn:
+        return int(conn.execute(select(t.c.publish_count).where(t.c.id == task_id)).scalar_one())
+
+
+@BROKERS
+def test_a_lost_message_is_republished_while_its_queue_stays_busy(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    """A queue that never empties still gives a lost message back: once a task
+    submitted to it later (by more than ``lease_republish_after``) was claimed, the
+    lost one is no longer in the queue, and the reaper publishes it again."""
+    p = lease_env.project(broker_url=broker_url, republish_after=1.0, publish_grace=0.5)
+    queue = p.project.queue
+    lost = p.submit("t.work", "lost")
+    assert drop_head_message(broker_url, queue) == lost
+    created = p.get(lost).created_at
+    wait_until(  # submitted later by more than lease_republish_after, in database time
+        lambda: (p.store.database_time() - created).total_seconds() > 1.2,
+        message="the database clock moves",
+    )
+    gate = p.gates.hold("gate")
+    with released(p.gates, gate):
+        first = p.submit("t.work", "first", gate)
+        # more than the worker prefetches: the queue holds messages until the gate opens
+        rest = [p.submit("t.work", f"rest{i}") for i in range(12)]
+        p.worker(f"busy-{uuid.uuid4().hex[:8]}", concurrency=1)
+        p.wait_count("start:first", 1)  # claimed: the lost message was overtaken
+        api = admin(p.module.app)
+        deadline = time.monotonic() + 30
+        while publish_count(p, lost) < 2:
+            assert time.monotonic() < deadline, "the lost message was not published again"
+            api.reap()
+            assert queue_depth(broker_url, queue) > 0, "the queue emptied: the test proves nothing"
+            time.sleep(0.1)  # the reaper's own interval: this is its schedule, not a wait
+    for task_id in (lost, first, *rest):
+        p.wait_state(task_id, State.SUCCEEDED, timeout=60)
+    assert p.external.count("done:lost") == 1
