@@ -410,6 +410,7 @@ def create(config: LeaseConfig) -> Engine:
         _watch_connections(engine)
         _bound_stalled_transactions(engine, config)
         _ping_when_idle(engine)
+        _reconnect_when_read_only(engine)
     else:
         raise ConfigurationError(
             f"lease_database_url {safe_url(url)}: only sqlite and postgresql are supported"
@@ -531,6 +532,34 @@ def _ping_when_idle(engine: Engine) -> None:
         except Exception as error:
             # the pool discards this connection and checks out (or opens) another
             raise exc.DisconnectionError(f"idle connection is gone: {error}") from error
+
+
+#: SQLSTATE ``read_only_sql_transaction``: the server refused a write.
+READ_ONLY_SQLSTATE = "25006"
+
+
+def _reconnect_when_read_only(engine: Engine) -> None:
+    """Treat a write refused as read-only like a lost connection.
+
+    After a failover the server a pooled connection reached may no longer take writes
+    while the connection lives on: a former primary fenced with
+    ``default_transaction_read_only`` (or demoted behind a proxy that keeps client
+    connections), a standby a DNS name pointed at until it moved to the new primary.
+    The idle ping (``SELECT 1``) passes there, and before this every write failed with
+    a ``StoreError`` on the same connection until ``pool_recycle`` (30 minutes)
+    replaced it. Marked a disconnect, SQLAlchemy invalidates the connection and every
+    older pooled one; the store's :func:`retrying` runs the transaction again on a new
+    connection, which libpq opens on the host that accepts writes (with
+    ``target_session_attrs=read-write``, or once the name moved), and the call ends
+    with :class:`~celery_lease.exceptions.StoreUnavailable` (transient) if none does
+    within ``lease_db_timeout``. A dialect event: the store's fast path for submissions
+    (no connection events) is kept.
+    """
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(context: Any) -> None:
+        if getattr(context.original_exception, "sqlstate", None) == READ_ONLY_SQLSTATE:
+            context.is_disconnect = True
 
 
 def _sqlite(url: URL, config: LeaseConfig) -> Engine:
