@@ -81,6 +81,9 @@ def main() -> int:
     parser.add_argument(
         "--ttl", type=float, default=30.0, help="lease_ttl (30: longer than the window)"
     )
+    parser.add_argument(
+        "--max-runtime", type=float, default=None, help="lease_max_runtime (default: none)"
+    )
     args = parser.parse_args()
     reason = missing()
     if reason is not None:
@@ -89,14 +92,17 @@ def main() -> int:
     with ReplicatedPostgres(synchronous=False, proxied=True) as pair:
         admin = f"postgresql://postgres@127.0.0.1:{pair.primary.port}/postgres"
         with Standalone(pg_admin_url=admin) as env:
-            return run(pair, env, args.settle, args.ttl)
+            return run(pair, env, args.settle, args.ttl, args.max_runtime)
 
 
-def run(pair: ReplicatedPostgres, env: Standalone, settle: float, ttl: float) -> int:
+def run(
+    pair: ReplicatedPostgres, env: Standalone, settle: float, ttl: float, max_runtime: float | None
+) -> int:
     p = env.leased_project(
         SOURCE,
         database_url=pair.url(),
         ttl=ttl,
+        max_runtime=max_runtime,
         heartbeat_interval=0.5,
         reaper_interval=0.5,
         publish_grace=1.0,
