@@ -7,7 +7,8 @@ until the file ``STOP`` exists. A submission the store refuses
 unknown) is tried again with the same task id, as the docs tell a producer to: a row
 already written answers the retry as a duplicate, so the task runs once either way.
 Each acknowledged submission is one JSON line in ``OUT``: key, task id, when it was
-first tried and when it was acknowledged (``time.time()``), and how many tries failed.
+first tried and when it was acknowledged (``time.time()``), and the tries that failed;
+each refused try is a line too (``refused``: the key, the error's class, when).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main(argv: list[str]) -> int:
                     break
                 except CeleryLeaseError as error:
                     failed.append(type(error).__name__)
+                    refused = {"refused": key, "error": failed[-1], "at": time.time()}
+                    log.write(json.dumps(refused) + "\n")
+                    log.flush()
                     time.sleep(RETRY_PAUSE)
             line = {"key": key, "id": task_id, "first": first, "acked": time.time()}
             line["failed"] = failed  # type: ignore[assignment]
