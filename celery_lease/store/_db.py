@@ -173,7 +173,18 @@ def safe_url(url: URL | str) -> str:
     )
     # the mask is percent-encoded in a query: show it as the mask
     rendered = parsed.render_as_string(hide_password=False).replace("%2A%2A%2A", MASK)
+    rendered = _HOST_LISTS.sub(lambda m: m.group(1) + _readable(m.group(2)), rendered)
     return redact(rendered)
+
+
+#: libpq's host lists in a query (``host=db1:5432&host=db2:5432``, ``host=db1,db2``,
+#: ``port=5432,5433``): shown as written, not percent-encoded, so that the hosts of a
+#: multi-host URL can be read in a log line.
+_HOST_LISTS = re.compile(r"([?&](?:host|hostaddr|port)=)([^&]*)")
+
+
+def _readable(value: str) -> str:
+    return value.replace("%3A", ":").replace("%2C", ",")
 
 
 # -- deadlines ----------------------------------------------------------------------------

@@ -47,6 +47,8 @@ def test_a_write_refused_as_read_only_reconnects_to_the_host_that_accepts_writes
         store = Store(LeaseConfig(database_url=pair.url(), schema="s"))
         try:
             store.migrate()
+            # shown with both hosts as written (the start-up line, every StoreError)
+            assert store.url == pair.url()
             before = _new()
             assert store.submit(before) == (before.id, True)
             assert store.engine.pool.checkedin() == 1  # on the primary, kept for the next call
