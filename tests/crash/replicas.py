@@ -143,8 +143,10 @@ class Cluster:
             return list(cur.fetchall()) if cur.description else []
 
     def kill(self) -> None:
-        """SIGKILL the postmaster and every one of its processes at once (the machine
-        lost), and wait until they are gone."""
+        """SIGKILL the postmaster and every one of its processes at once, and wait until
+        they are gone. The kernel closes their sockets, so clients see their connections
+        reset at once; a machine lost without a reset is left to the store's deadlines
+        (crash matrix rows 13 and 33)."""
         pid = self.postmaster_pid
         if pid is None:
             return

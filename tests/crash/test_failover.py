@@ -10,7 +10,7 @@ in celery-lease is told of the failover.
 * Synchronous replication (the replica named in ``synchronous_standby_names``,
   ``synchronous_commit`` on): two workers run tasks while a producer submits about 30
   a second and one task holds its lease at a gate; the primary's processes are all
-  SIGKILLed at once (the machine lost) and, once every caller has seen the outage
+  SIGKILLed at once and, once every caller has seen the outage
   past the store's own retries (each worker logged a failed heartbeat, the producer
   had a submission refused), the replica is promoted (``pg_ctl promote``, what a
   failover manager does). Every submission the producer saw acknowledged ends
