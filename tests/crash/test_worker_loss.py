@@ -34,7 +34,10 @@ from .support import RECOVERED, LeaseEnv, Stopwatch, released, report
 def test_killed_worker_restarted_under_its_node_name_expires_at_start_up(
     lease_env: LeaseEnv, broker_url: str
 ) -> None:
-    p = lease_env.project(broker_url=broker_url)
+    # the worker's own fence is its shortest TTL (the default's, 1 s in the suite): a
+    # longer one, so that a loaded machine delaying a renewal cannot fence the restarted
+    # worker and add an attempt (nothing here waits for a TTL)
+    p = lease_env.project(broker_url=broker_url, ttl=10.0)
     worker = p.worker("node", concurrency=1)
     old = p.incarnation(worker)
     gate = p.gates.hold("gate")

@@ -13,7 +13,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,16 +23,37 @@ from ..helpers import REPO_ROOT
 
 HELD_HEADER = "| lease_hold_eta_after | due per second | submit (s) |"
 
-SECTIONS = (
-    "## 1. Task overhead against plain Celery",
-    "## 2. Steps",
-    "## 3. Heartbeat cost",
-    "## 4. Reaper at scale (PostgreSQL)",
-    "## 5. Recovery latency",
-    "## 6-7. Dedup and claims under contention",
-    "## 8. Bulk submission and retry latency",
-    "## 11. Capacity: 4 workers x prefork 2 on one PostgreSQL",
-)
+#: run_all.py's sections in four groups, each a test of its own (``--only``): the whole
+#: quick run took five minutes in one test, the suite's longest, and under xdist a test
+#: that long, started late, keeps one worker busy after the other has finished.
+#: Each group: its keys, its section titles, and figures its output prints.
+GROUPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "overhead": (
+        "overhead",
+        ("## 1. Task overhead against plain Celery",),
+        ("publish /s", "round trips"),
+    ),
+    "store": (
+        "steps,heartbeat,reaper,recovery",
+        (
+            "## 2. Steps",
+            "## 3. Heartbeat cost",
+            "## 4. Reaper at scale (PostgreSQL)",
+            "## 5. Recovery latency",
+        ),
+        ("statements / renewal", "EXPLAIN"),
+    ),
+    "flow": (
+        "contention,bulk,operations,backlog",
+        ("## 6-7. Dedup and claims under contention", "## 8. Bulk submission and retry latency"),
+        ("claims", "vs plain group", "Retry latency"),
+    ),
+    "capacity": (
+        "capacity,held",
+        ("## 11. Capacity: 4 workers x prefork 2 on one PostgreSQL",),
+        ("WAL bytes / task",),
+    ),
+}
 
 
 def _run(
@@ -56,73 +79,82 @@ def _run(
 
 @pytest.mark.slow
 @pytest.mark.postgres
-@pytest.mark.timeout(1800)
-def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_url: str) -> None:
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_run_all_quick_prints_every_figure(
+    group: str, tmp_path: Path, pg_url: str, redis_url: str
+) -> None:
+    keys, sections, figures = GROUPS[group]
     script = REPO_ROOT / "benchmarks" / "run_all.py"
     proc = _run(
-        [str(script), "--quick", "--out", str(tmp_path)], REPO_ROOT, pg_url, redis_url, 1700
+        [str(script), "--quick", "--only", keys, "--out", str(tmp_path)],
+        REPO_ROOT,
+        pg_url,
+        redis_url,
+        800,
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
 
     # printed as it went: the machine, then each section with its tables
     assert "machine: CPU:" in proc.stdout
-    for title in SECTIONS:
+    for title in sections:
         assert title in proc.stdout, f"{title!r} not printed"
-    for figure in (
-        "publish /s",
-        "round trips",
-        "statements / renewal",
-        "EXPLAIN",
-        "claims",
-        "vs plain group",
-        "Retry latency",
-        "WAL bytes / task",
-    ):
+    for figure in figures:
         assert figure in proc.stdout, f"no {figure!r} figures printed"
 
     page = (tmp_path / "benchmarks.md").read_text()
     assert page.startswith("# Benchmarks")
-    assert "quick (smoke) run" in page
-    assert "## Machine" in page and "## Targets of issue 6 at a glance" in page
-    for title in SECTIONS:
+    assert "quick (smoke) run" in page and "## Machine" in page
+    for title in sections:
         assert title in page, f"{title!r} missing from the page"
     # run_all writes "## <key>: FAILED" for a benchmark that raised (the word alone
     # also appears in the EXPLAIN plans of queries over the FAILED state)
     failed = re.findall(r"^## (\S+): FAILED$", page, re.MULTILINE)
     assert not failed, f"benchmarks that failed: {failed}"
 
-    data = json.loads((tmp_path / "img" / "bench-data.json").read_text())
-    sections = data["sections"]
-    assert {"overhead", "heartbeat", "reaper", "recovery", "contention", "capacity"} <= set(
-        sections
-    )
-    # every task of the capacity backlog ran, and the store's database did work for it
-    # (claims and outcomes are batched: fewer commits than tasks while it drains)
-    for drained in sections["capacity"]["rounds"]:
-        assert drained["rate"] > 0
-        if drained["variant"].startswith("LeasedTask"):
-            assert drained["commits_per_task"] > 0 and drained["wal_per_task"] > 0
-    # the correctness checks the benchmarks make hold even at tiny N
-    for dedup in sections["contention"]["dedup"]:
-        assert dedup["rows"] == dedup["keys"] == dedup["executions"] == dedup["messages"]
-    assert sections["contention"]["claims"]["double_claims"] == 0
-    assert sections["reaper"]["plans"] >= 4
-    assert sections["reaper"]["seq_scans"] == 0
+    data = json.loads((tmp_path / "img" / "bench-data.json").read_text())["sections"]
+    assert set(keys.split(",")) <= set(data)
+    CHECKS[group](data, proc.stdout, page)
+
+
+def _overhead(data: dict[str, Any], stdout: str, page: str) -> None:
+    assert "## Targets of issue 6 at a glance" in page
     # both outcome paths ran: the default one through the worker's outcome writer (its
     # statements counted), and write-through in the pool processes
-    counts = sections["overhead"]["counts"]
+    counts = data["overhead"]["counts"]
     assert counts["LeasedTask, PostgreSQL"]["outcomes"]["statements"] > 0
     assert counts["LeasedTask, PostgreSQL, write-through"]["outcomes"]["statements"] == 0
     # the claims ran in the worker's lease agent (its batched statements counted), on
     # both outcome paths
     assert counts["LeasedTask, PostgreSQL"]["claims"]["statements"] > 0
     assert counts["LeasedTask, PostgreSQL, write-through"]["claims"]["statements"] > 0
-    rounds = {(r["variant"], r["pool"]) for r in sections["overhead"]["rounds"]}
+    rounds = {(r["variant"], r["pool"]) for r in data["overhead"]["rounds"]}
     assert {("LeasedTask, PostgreSQL, write-through", p) for p in ("prefork", "threads")} <= rounds
+
+
+def _store(data: dict[str, Any], stdout: str, page: str) -> None:
+    assert data["reaper"]["plans"] >= 4
+    assert data["reaper"]["seq_scans"] == 0
+
+
+def _flow(data: dict[str, Any], stdout: str, page: str) -> None:
+    # the correctness checks the benchmarks make hold even at tiny N
+    for dedup in data["contention"]["dedup"]:
+        assert dedup["rows"] == dedup["keys"] == dedup["executions"] == dedup["messages"]
+    assert data["contention"]["claims"]["double_claims"] == 0
+
+
+def _capacity(data: dict[str, Any], stdout: str, page: str) -> None:
+    # every task of the capacity backlog ran, and the store's database did work for it
+    # (claims and outcomes are batched: fewer commits than tasks while it drains)
+    for drained in data["capacity"]["rounds"]:
+        assert drained["rate"] > 0
+        if drained["variant"].startswith("LeasedTask"):
+            assert drained["commits_per_task"] > 0 and drained["wal_per_task"] > 0
     # the held delays (bench_held.py): its table, held and plain side by side, and the
     # held sweep's plans, which read the partial index of the held rows
-    lines = proc.stdout.splitlines()
+    lines = stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith(HELD_HEADER))
     held_rows = list(itertools.takewhile(lambda line: line.startswith("| "), lines[at + 2 :]))
     assert [r.split(" | ")[0] for r in held_rows] == [
@@ -131,8 +163,16 @@ def test_run_all_quick_prints_every_figure(tmp_path: Path, pg_url: str, redis_ur
     ]
     # held: nothing reached the broker or a worker before the first ETA
     assert held_rows[0].split(" | ")[3:5] == ["0", "0"], held_rows[0]
-    assert "Index Scan using lease_tasks_held_eta" in proc.stdout
-    assert "USING INDEX lease_tasks_held_eta" in proc.stdout
+    assert "Index Scan using lease_tasks_held_eta" in stdout
+    assert "USING INDEX lease_tasks_held_eta" in stdout
+
+
+CHECKS: dict[str, Callable[[dict[str, Any], str, str], None]] = {
+    "overhead": _overhead,
+    "store": _store,
+    "flow": _flow,
+    "capacity": _capacity,
+}
 
 
 @pytest.mark.slow
