@@ -21,6 +21,7 @@ from ._broker import bound_sockets
 from ._incarnation import Incarnation, SharedFlags
 from .notify import attach
 from .pause import PauseCache
+from .producer.slots import attach as attach_slots
 from .store import Store
 
 #: The worker bootstep celery-lease adds (by path: the worker module sits above this one).
@@ -81,6 +82,8 @@ class Runtime:
                     created.ensure_schema()
                     # logs, result backend and Flower events for every transition it commits
                     attach(self.app, created)
+                    # the slots its commits free go to waiting rows, published at once
+                    attach_slots(self.app, created)
                     self._store = created
                     self._store_pid = os.getpid()
                 store = self._store

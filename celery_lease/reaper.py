@@ -53,6 +53,9 @@ class ReapReport:
     #: Rows held in the store until their ETA (``lease_hold_eta_after``) published
     #: because they are due.
     released: int = 0
+    #: Rows waiting for a concurrency slot granted a free one and published (the
+    #: backstop: the worker whose commit freed the slot does it at once).
+    granted: int = 0
     #: Audit rows folded into the transition totals (not an action: not in ``total``).
     folded: int = 0
     #: RUNNING rows whose stored ``lease_ttl`` or ``max_runtime`` is out of range (an
@@ -74,6 +77,7 @@ class ReapReport:
             + self.overrun
             + self.due
             + self.released
+            + self.granted
             + self.republished
             + self.follow_ups
             + self.purged
@@ -115,6 +119,7 @@ class Reaper:
         # this sweep asks it nothing more: the rows wait for the next sweep
         self.publish_due(report)
         self.publish_held(report)
+        self.publish_granted(report)
         guard = backlog_guard(self.app, self.store.config.republish_after)
 
         def republish(rows: Sequence[Publishable]) -> tuple[int, int]:
@@ -187,6 +192,13 @@ class Reaper:
         report = self._phase(report)
         report.released += self._publish_batches(report, self._take_held, self.publish)
         return report.released
+
+    def publish_granted(self, report: ReapReport | None = None) -> int:
+        """Grant the free concurrency slots of keys with rows waiting, least recently
+        served keys first, and publish those rows (a grant its worker never made)."""
+        report = self._phase(report)
+        report.granted += self._publish_batches(report, self.store.take_waiting, self.publish)
+        return report.granted
 
     def _take_held(self) -> list[Publishable]:
         rows = self.store.take_held()

@@ -20,6 +20,7 @@ from .exceptions import ConfigurationError
 from .producer import follow_ups as _follow_ups
 from .producer import group_batches as _group_batches
 from .producer import message as _message
+from .producer import slots as _slots
 from .producer import submission as _submission
 from .producer.limits import check_unique
 from .producer.submission import Submitted
@@ -70,6 +71,12 @@ class LeasedTask(Task[Any, Any]):
       safe; ``"manual"`` hands it to a person.
     * ``on_exhausted``: ``"fail"`` (default) or ``"manual"`` when retries run out.
     * ``max_recoveries``: lease expiries tolerated before WAIT_MANUAL (poison cap).
+    * ``concurrency_limit``: at most this many attempts of the task RUNNING at once
+      across all workers (per key with ``concurrency_key``); a delivery that finds no
+      free slot is acked and its row waits, PENDING, until one frees.
+    * ``concurrency_key``: the limit applies per key: the name of an argument of the
+      task (``"tenant_id"``), or a callable of ``(args, kwargs)`` returning a string;
+      with a key and no ``concurrency_limit`` the limit is 1.
     * ``unique_for``, ``unique_while``, ``on_conflict``: the defaults of the
       submission options of the same names (how long, in which states, a ``dedup_key``
       deduplicates, and what a duplicate does; see :meth:`apply_async`).
@@ -86,6 +93,11 @@ class LeasedTask(Task[Any, Any]):
     unique_for: ClassVar[float | None] = None
     unique_while: ClassVar[Iterable[State | str] | None] = None
     on_conflict: ClassVar[str] = "return"
+    concurrency_limit: ClassVar[int | None] = None
+    concurrency_key: ClassVar[_slots.KeySpec] = None
+
+    #: The concurrency options above, checked when the task is bound to an app.
+    _concurrency: ClassVar[_slots.Limit | None] = None
 
     #: The uniqueness options above, checked when the task is bound to an app.
     _unique: ClassVar[Unique] = Unique()
@@ -105,6 +117,7 @@ class LeasedTask(Task[Any, Any]):
         cls._unique = check_unique(
             f"task {cls.name}", cls.unique_for, cls.unique_while, cls.on_conflict, task=True
         )
+        cls._concurrency = _slots.check(cls)
         rt = install(app)
         _group_batches.install(LeasedTask)
         if cls.name is not None:
@@ -164,6 +177,7 @@ class LeasedTask(Task[Any, Any]):
             on_timeout=self.on_timeout,
             on_exhausted=self.on_exhausted,
             max_recoveries=recoveries,
+            concurrency_limit=self._concurrency.limit if self._concurrency else None,
         )
 
     # -- producer ---------------------------------------------------------------------

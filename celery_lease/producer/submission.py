@@ -45,6 +45,7 @@ from ..config import LeaseConfig
 from ..exceptions import DuplicateSubmission, InvalidSubmissionValue, NotSerializable
 from ..store import Lease, LeaseOptions, NewTask, Replacement, Unique, dumps
 from . import message as _message
+from . import slots as _slots
 from .limits import check_arguments_size, check_submission, check_unique
 
 #: apply_async options kept in the row so that a re-published message is routed the same way.
@@ -127,6 +128,10 @@ def prepare(
         raise NotSerializable(f"{what} of {task.name}", cause, serializer) from error
     args_text, kwargs_text = _message.arguments_text(*outgoing.arguments())
     check_arguments_size(task.name, args_text, kwargs_text, config.args_max_bytes)
+    limit = _slots.limit_of(task)
+    if limit is not None:
+        # a key that cannot be made fails here, before anything is written
+        limit.key_of(*outgoing.arguments())
     routing: dict[str, Any] = {}
     for key in _ROUTING_OPTIONS:
         value = options.get(key)

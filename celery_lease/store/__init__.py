@@ -8,6 +8,9 @@ owning its statements with their single and batch forms:
                        finished one; "published" marks and their recorder; the
                        caller's transaction a submission joins
 ``Claims``             ``_claim``: claims, one or many; steps, progress, lease checks
+``Slots``              ``_slots``: concurrency limits: a key's lock, waiting rows, the
+                       grants of freed slots (``Claims`` derives from it: a limited
+                       claim takes its slot in the claim's own transaction)
 ``Outcomes``           ``_outcome``: outcomes and retries, one or many; follow-ups sent
 ``Sweeps``             ``_sweeps``: the reaper's expiry, re-publishing, backlog and
                        follow-ups; worker rows and the reaper's lock
@@ -22,7 +25,8 @@ owning its statements with their single and batch forms:
 =====================  ==============================================================
 
 Each derives from ``StoreBase`` (``_base``: transactions, the one compare-and-set with
-its audit rows) alone, except ``Operator``, which derives from ``Counting`` (a purge
+its audit rows) alone, except ``Claims``, which derives from ``Slots``, and ``Operator``,
+which derives from ``Counting`` (a purge
 deletes audit rows through it); no two define the same name, so the order of the bases
 does not matter. Underneath: ``_types`` (the values exchanged with callers), ``schema``
 (the tables, the dialect SQL, the conditions several operations share) and ``_db``
@@ -92,6 +96,8 @@ from ._types import (
     Refusal,
     Replacement,
     Rows,
+    Slot,
+    SlotUsage,
     Totals,
     TransitionEvent,
     Unique,
@@ -466,7 +472,9 @@ __all__ = [
     "Replacement",
     "Rows",
     "ScheduleRow",
+    "Slot",
     "SlotDecision",
+    "SlotUsage",
     "Store",
     "Tables",
     "Totals",

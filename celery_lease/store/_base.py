@@ -53,8 +53,8 @@ from ..exceptions import StoreDataError, StoreError, StoreUnavailable
 from ..states import Actor, State
 from . import _db
 from ._db import WATCHDOG, redact, safe_url
-from ._types import Executor, Lease, Listener, TransitionEvent
-from .schema import Tables, build, db_now
+from ._types import Executor, Lease, Listener, Publishable, TransitionEvent
+from .schema import Tables, build, db_now, seconds_between
 
 T = TypeVar("T")
 
@@ -175,6 +175,11 @@ class StoreBase:
         self._schema_checked = False
         #: Called after each commit with its transitions (logs, events, metrics, backends).
         self.listeners: list[Listener] = []
+        #: Called after a commit that ended RUNNING rows of limited tasks, with their
+        #: (task name, concurrency key) pairs: the slots it freed. The app's runtime sets
+        #: it to grant those slots to waiting rows and publish them at once; unset, the
+        #: reaper's sweep does it (see :mod:`celery_lease.store._slots`).
+        self.on_slots_freed: Callable[[Sequence[tuple[str, str]]], None] | None = None
         self._local = threading.local()
         #: Statements built once (see :meth:`_prepared`).
         self._statements: dict[Hashable, Any] = {}
@@ -193,9 +198,13 @@ class StoreBase:
         PostgreSQL it then runs in autocommit (the statement is its own transaction).
         """
 
+        committed_frees: set[tuple[str, str]] = set()
+
         def attempt(is_retry: bool) -> T:
             events: list[TransitionEvent] = []
+            freed: set[tuple[str, str]] = set()
             self._local.events = events
+            self._local.freed = freed
             try:
                 if single and self._autocommit is not None:
                     with self._autocommit.connect() as conn:
@@ -205,13 +214,40 @@ class StoreBase:
                         result = fn(conn, is_retry)
             finally:
                 self._local.events = None
+                self._local.freed = None
             if events:
                 self.announce(events)
+            committed_frees.update(freed)
             return result
 
-        return retrying(
+        result = retrying(
             attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
         )
+        if committed_frees:
+            self._slots_freed(sorted(committed_frees))
+        return result
+
+    def _slots_freed(self, pairs: Sequence[tuple[str, str]]) -> None:
+        """Hand committed frees to :attr:`on_slots_freed` (its error is logged: the
+        reaper's sweep grants what it could not)."""
+        hook = self.on_slots_freed
+        if hook is None:
+            return
+        try:
+            hook(pairs)
+        except Exception:
+            logger.exception("celery-lease: granting freed concurrency slots failed")
+
+    def _note_frees(self, rows: Iterable[Row[Any]]) -> None:
+        """Rows that just left RUNNING: those of limited tasks freed a slot each (the
+        state change is the free, so it happens once, with the fenced write)."""
+        freed: set[tuple[str, str]] | None = getattr(self._local, "freed", None)
+        if freed is None:
+            return
+        for row in rows:
+            key = row._mapping.get("slot_key")
+            if key is not None:
+                freed.add((str(row.name), str(key)))
 
     def _single_then(
         self,
@@ -326,11 +362,13 @@ class StoreBase:
         """The conditional UPDATE of a transition (bind parameter ``b_reason``)."""
         states.check(frm, to)
         t = self.t.tasks
+        # a row leaving RUNNING tells whether it held a concurrency slot
+        freeing = (t.c.slot_key,) if frm is State.RUNNING else ()
         return (
             update(t)
             .where(state_is(t, frm), *where)
             .values(state=to.value, updated_at=db_now(), reason=_REASON, **(values or {}))
-            .returning(t.c.id, t.c.attempt, t.c.name, *returning)
+            .returning(t.c.id, t.c.attempt, t.c.name, *freeing, *returning)
         )
 
     def _move_ctes(self, stmt: ReturningUpdate[Any], frm: State, to: State) -> tuple[CTE, CTE]:
@@ -407,6 +445,8 @@ class StoreBase:
     ) -> list[Row[Any]]:
         stmt, audit = statements
         rows = list(conn.execute(stmt, {**params, "b_reason": reason, "b_actor": actor}).all())
+        if frm is State.RUNNING:
+            self._note_frees(rows)
         for row in rows:
             self._record_event(
                 TransitionEvent(row.id, row.name, frm, to, reason, actor, int(row.attempt))
@@ -472,6 +512,8 @@ class StoreBase:
             "b_actor": actor,
         }
         rows = list(conn.execute(stmt, params).all())
+        if frm is State.RUNNING:
+            self._note_frees(rows)
         for row in rows:
             self._record_event(
                 TransitionEvent(
@@ -502,7 +544,7 @@ class StoreBase:
             update(t)
             .where(t.c.id == v.c.id, state_is(t, frm))
             .values(state=v.c.to_state, updated_at=db_now(), reason=v.c.reason, **stamped)
-            .returning(t.c.id, t.c.attempt, t.c.name, t.c.state, t.c.reason)
+            .returning(t.c.id, t.c.attempt, t.c.name, t.c.state, t.c.reason, t.c.slot_key)
             .cte("moved")
         )
         return select(moved).add_cte(self._audit_of(moved, frm))
@@ -546,6 +588,39 @@ class StoreBase:
             )
             .cte("audit")
         )
+
+    def _publishable_columns(self) -> tuple[Any, ...]:
+        t = self.t.tasks
+        return (
+            t.c.name,
+            t.c.args,
+            t.c.kwargs,
+            t.c.options,
+            t.c.retries,
+            seconds_between(t.c.eta, db_now()).label("countdown"),
+            t.c.message,
+            t.c.origin,
+        )
+
+    @staticmethod
+    def _publishable(rows: Iterable[Row[Any]]) -> list[Publishable]:
+        out = []
+        for r in rows:
+            countdown = float(r.countdown) if r.countdown is not None and r.countdown > 0 else None
+            out.append(
+                Publishable(
+                    str(r.id),
+                    r.name,
+                    r.args,
+                    r.kwargs,
+                    r.options,
+                    int(r.retries),
+                    countdown,
+                    r.message,
+                    r.origin,
+                )
+            )
+        return out
 
     def _fenced(self, lease: Lease) -> list[ColumnElement[bool]]:
         t = self.t.tasks

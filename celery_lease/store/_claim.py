@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Integer,
     Row,
     String,
     bindparam,
@@ -38,8 +39,17 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from ..states import STEP_DONE as DONE
 from ..states import STEP_STARTED as STARTED
 from ..states import State
-from ._base import StoreBase
-from ._types import Claim, FenceResult, Lease, NewTask, RecordedStep, Refusal, TransitionEvent
+from ._slots import Slots, holders, waiting_reason
+from ._types import (
+    Claim,
+    FenceResult,
+    Lease,
+    NewTask,
+    RecordedStep,
+    Refusal,
+    Slot,
+    TransitionEvent,
+)
 from .schema import db_now
 
 #: Note for rows whose arguments could not be stored: they cannot be re-published.
@@ -50,7 +60,7 @@ _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 Ask = tuple[str, str]
 
 
-class Claims(StoreBase):
+class Claims(Slots):
     """Claims, one or many, and the fenced writes of a running task."""
 
     # -- claims ----------------------------------------------------------------------------
@@ -62,6 +72,7 @@ class Claims(StoreBase):
         actor: str,
         adopt: NewTask | Callable[[], NewTask] | None = None,
         revision: str | None = None,
+        slot: Slot | None = None,
     ) -> Claim | Refusal:
         """Compare-and-set PENDING -> RUNNING (attempt += 1). A delivery without a row is
         adopted when ``adopt`` describes it (or builds it: only called when needed);
@@ -69,11 +80,17 @@ class Claims(StoreBase):
 
         ``revision``: the one the delivered message carries (``None``: none). A row
         whose arguments were replaced (``on_conflict="replace"``) is claimed only by a
-        message of its current revision; an older message is refused as stale."""
+        message of its current revision; an older message is refused as stale.
+
+        ``slot``: the task's concurrency limit and this delivery's key. The claim then
+        takes the key's lock and its compare-and-set also counts the slots in use below
+        the limit; a row that only the count stops waits for a slot (refused with
+        ``waiting``; see :mod:`celery_lease.store._slots`). Without it the claim is
+        exactly as for an unlimited task."""
         t = self.t.tasks
         token = uuid.uuid4().hex
         reason = f"claimed by {actor}"
-        params = {
+        params: dict[str, Any] = {
             "b_task_id": task_id,
             "b_token": token,
             "b_owner": owner,
@@ -89,17 +106,26 @@ class Claims(StoreBase):
                 cancel_requested=r.cancel_requested_at is not None,
             )
 
+        if slot is not None:
+            params.update({"b_slot_name": slot.name, "b_slot_key": slot.key, "b_limit": slot.limit})
+
         def move(conn: Connection) -> list[Row[Any]]:
             return self._move_prepared(
                 conn,
-                "claim",
-                self._claim_spec,
+                "claim" if slot is None else "claim-slot",
+                self._claim_spec if slot is None else self._claim_slot_spec,
                 params,
                 State.PENDING,
                 State.RUNNING,
                 reason=reason,
                 actor=actor,
             )
+
+        def waits(conn: Connection) -> Refusal | None:
+            """Only the slot count stopped a claim that should have moved the row."""
+            if slot is None or not self.mark_waiting(conn, task_id, slot):
+                return None
+            return Refusal(task_id, State.PENDING, waiting_reason(slot), waiting=True)
 
         def fast(conn: Connection, _: bool) -> Claim | Refusal | None:
             # the claim, its audit row and, when it fails, the row's state: one statement
@@ -122,6 +148,8 @@ class Claims(StoreBase):
             return Refusal(task_id, state, f"task is {state}")
 
         def op(conn: Connection, is_retry: bool) -> Claim | Refusal:
+            if slot is not None:
+                self.lock_slot(conn, slot)
             rows = move(conn)
             adopted = False
             if not rows:
@@ -149,6 +177,8 @@ class Claims(StoreBase):
                     # its ETA came between the claim and the read (a retry is delivered
                     # at its ETA, to the millisecond): claim it now
                     rows = move(conn)
+                    if not rows and (waiting := waits(conn)) is not None:
+                        return waiting
                 elif row is None and adopt is not None:
                     tomb = self.t.purged
                     if conn.execute(select(tomb.c.id).where(tomb.c.id == task_id)).first():
@@ -162,6 +192,8 @@ class Claims(StoreBase):
                     self._adopt(conn, adopt() if callable(adopt) else adopt)
                     adopted = True
                     rows = move(conn)  # an adopted row has no ETA: due at once
+                    if not rows and (waiting := waits(conn)) is not None:
+                        return waiting
                 elif row is not None and is_retry and row.token == token:
                     # the first try committed but its answer was lost
                     again = select(t.c.id, t.c.attempt, *self._claim_spec()[2]).where(
@@ -174,7 +206,7 @@ class Claims(StoreBase):
                     return Refusal(task_id, state, why)
             return claimed(rows[0], adopted)
 
-        if not self.is_pg:
+        if not self.is_pg or slot is not None:
             return self._tx(op)
         return self._single_then(fast, op)
 
@@ -205,6 +237,21 @@ class Claims(StoreBase):
         )
         where = [t.c.id == bindparam("b_task_id", type_=t.c.id.type), due, current]
         return where, values, (t.c.retries, t.c.recoveries, t.c.cancel_requested_at)
+
+    def _claim_slot_spec(
+        self,
+    ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
+        """The claim of a limited task (bind parameters ``b_slot_name``, ``b_slot_key``,
+        ``b_limit`` besides the claim's): it moves the row only while the slots in use
+        under the key are fewer than the limit, and records the key the row counts under."""
+        t = self.t.tasks
+        where, values, returning = self._claim_spec()
+        name = bindparam("b_slot_name", type_=t.c.name.type)
+        key = bindparam("b_slot_key", type_=t.c.slot_key.type)
+        used = holders(t, name, key, exclude=bindparam("b_task_id", type_=t.c.id.type))
+        where = [*where, used < bindparam("b_limit", type_=Integer)]
+        values = {**values, "slot_key": key, "slot": None}
+        return where, values, returning
 
     def _claim_pg(self) -> Any:
         t = self.t.tasks

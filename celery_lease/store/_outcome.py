@@ -356,7 +356,9 @@ class Outcomes(StoreBase):
             "b_actor": actor,
         }
         done: set[tuple[str, int]] = set()
-        for row in conn.execute(stmt, params).all():
+        rows = conn.execute(stmt, params).all()
+        self._note_frees(rows)
+        for row in rows:
             attempt = int(row.attempt)
             done.add((row.id, attempt))
             self._record_event(
@@ -388,7 +390,7 @@ class Outcomes(StoreBase):
                 result=v.c.result,
                 error=v.c.error,
             )
-            .returning(t.c.id, t.c.attempt, t.c.name, t.c.state, t.c.reason)
+            .returning(t.c.id, t.c.attempt, t.c.name, t.c.state, t.c.reason, t.c.slot_key)
             .cte("moved")
         )
         return select(moved).add_cte(self._audit_of(moved, State.RUNNING))
@@ -473,7 +475,9 @@ class Outcomes(StoreBase):
             "b_held_reason": RETRY_HELD,
         }
         done: set[tuple[str, int]] = set()
-        for row in conn.execute(stmt, params).all():
+        rows = conn.execute(stmt, params).all()
+        self._note_frees(rows)
+        for row in rows:
             attempt = int(row.attempt)
             done.add((row.id, attempt))
             for frm, to, reason in (
@@ -517,7 +521,14 @@ class Outcomes(StoreBase):
                 publish_count=0,
                 message=func.coalesce(v.c.message, t.c.message),
             )
-            .returning(t.c.id, t.c.attempt, t.c.name, t.c.reason, v.c.reason.label("retry_reason"))
+            .returning(
+                t.c.id,
+                t.c.attempt,
+                t.c.name,
+                t.c.reason,
+                t.c.slot_key,
+                v.c.reason.label("retry_reason"),
+            )
             .cte("moved")
         )
         actor = bindparam("b_actor", type_=String)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
     Connection,
-    Row,
     and_,
     delete,
     false,
@@ -269,39 +268,6 @@ class Sweeps(StoreBase):
         return [str(i) for i in self._read(lambda conn: conn.execute(q).scalars().all())]
 
     # -- what to publish again -------------------------------------------------------------
-
-    def _publishable_columns(self) -> tuple[Any, ...]:
-        t = self.t.tasks
-        return (
-            t.c.name,
-            t.c.args,
-            t.c.kwargs,
-            t.c.options,
-            t.c.retries,
-            seconds_between(t.c.eta, db_now()).label("countdown"),
-            t.c.message,
-            t.c.origin,
-        )
-
-    @staticmethod
-    def _publishable(rows: Iterable[Row[Any]]) -> list[Publishable]:
-        out = []
-        for r in rows:
-            countdown = float(r.countdown) if r.countdown is not None and r.countdown > 0 else None
-            out.append(
-                Publishable(
-                    str(r.id),
-                    r.name,
-                    r.args,
-                    r.kwargs,
-                    r.options,
-                    int(r.retries),
-                    countdown,
-                    r.message,
-                    r.origin,
-                )
-            )
-        return out
 
     def take_due_retries(self, *, actor: str, limit: int | None = None) -> list[Publishable]:
         """RETRY_WAIT rows whose ``next_retry_at`` has come -> PENDING, to publish."""

@@ -45,6 +45,43 @@ class LeaseOptions:
     max_retries: int | None = None
     on_timeout: str = "retry"
     on_exhausted: str = "fail"
+    #: At most this many attempts RUNNING at once across all workers (per concurrency
+    #: key when the task has one); ``None``: no limit.
+    concurrency_limit: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """What a limited task's claim counts under: its task name, its concurrency key
+    (``""``: the task's one global limit) and the limit its code gives."""
+
+    name: str
+    key: str
+    limit: int
+
+    def label(self) -> str:
+        """``send_report[tenant=42]``, or the name alone for a global limit."""
+        return f"{self.name}[{self.key}]" if self.key else self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotUsage:
+    """One limited task and key: its limit (as its last claim gave it), the slots in
+    use (RUNNING rows, and rows granted a slot not claimed yet), the rows waiting, and
+    since when the oldest has been submitted (database time)."""
+
+    name: str
+    key: str
+    limit: int
+    running: int
+    granted: int
+    waiting: int
+    oldest_waiting_at: datetime | None
+    #: Seconds since the oldest waiting row was submitted (database time).
+    oldest_waiting_age: float | None
+
+    def label(self) -> str:
+        return f"{self.name}[{self.key}]" if self.key else self.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +235,9 @@ class Refusal:
     why: str
     #: The row is PENDING but its ETA (database time) has not come: publish it again.
     early: bool = False
+    #: The row is PENDING and waits for a concurrency slot (recorded in the row): the
+    #: delivery is acked; the row is published again when a slot frees.
+    waiting: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

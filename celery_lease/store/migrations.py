@@ -175,6 +175,16 @@ def _revision(conn: Connection, tables: Tables) -> None:
     _add_column(conn, tables.tasks, "revision")
 
 
+def _concurrency(conn: Connection, tables: Tables) -> None:
+    tasks = tables.tasks
+    _add_column(conn, tasks, "slot_key")
+    _add_column(conn, tasks, "slot")
+    for index in tasks.indexes:
+        if index.name in (f"{tasks.name}_slot_running", f"{tasks.name}_slot_queue"):
+            index.create(conn, checkfirst=True)
+    tables.concurrency.create(conn, checkfirst=True)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -212,6 +222,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         "tasks.revision: the arguments of a PENDING row replaced (on_conflict='replace'); "
         "a message sent before is refused at claim",
         _revision,
+    ),
+    Migration(
+        13,
+        "concurrency limits: tasks.slot_key and tasks.slot (waiting, granted), their "
+        "indexes, and a row per limited task and key (its lock and limit)",
+        _concurrency,
     ),
 )
 

@@ -180,7 +180,7 @@ def _greatest_sqlite(element: greatest, compiler: SQLCompiler, **kw: Any) -> str
 # -- the tables -----------------------------------------------------------------------------
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 #: PostgreSQL's fillfactor of the tasks table (schema version 9): part of each page is
 #: left free when rows are inserted, so that the updates of a task's lifecycle (the
@@ -199,6 +199,9 @@ FINISHED_SQL = "state IN ('SUCCEEDED', 'FAILED', 'CANCELLED')"
 #: against a query's ``held = true`` (PostgreSQL simplifies it to ``held``; SQLite
 #: stores a boolean as 1 and matches the term as written).
 HELD_SQL = {"postgresql": "held", "sqlite": "held = 1"}
+
+#: The RUNNING rows of limited tasks (schema version 13): the slots in use.
+SLOT_RUNNING_SQL = "slot_key IS NOT NULL AND state = 'RUNNING'"
 
 _ID = String(255)
 
@@ -222,6 +225,7 @@ class Tables:
     purged: Table
     schedules: Table
     beats: Table
+    concurrency: Table
 
 
 def build(prefix: str = "lease_", schema: str | None = None, origin: str | None = None) -> Tables:
@@ -287,6 +291,13 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         # a message without it (sent before the replacement) is refused, and the claim
         # clears it. NULL on every other row (schema version 12)
         Column("revision", String(32)),
+        # a task with a concurrency limit (schema version 13): the key its last claim
+        # counted it under (``""``: the task's one global limit), and where it stands
+        # for a slot while PENDING: ``waiting`` (its delivery found none: acked, not in
+        # the broker, published when one frees) or ``granted`` (a slot freed and is kept
+        # for it: published, not claimed yet). NULL on every row of an unlimited task
+        Column("slot_key", String(255)),
+        Column("slot", String(8)),
         # only the rows that have a dedup key (most have none): a row without one adds
         # no entry at its insert, nor at each of its updates (schema version 9)
         Index(
@@ -333,6 +344,25 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
             "eta",
             postgresql_where=text(HELD_SQL["postgresql"]),
             sqlite_where=text(HELD_SQL["sqlite"]),
+        ),
+        # a limited task's slots in use: its RUNNING rows, counted by a claim under the
+        # key's lock (rows of unlimited tasks have no entry)
+        Index(
+            f"{prefix}tasks_slot_running",
+            "name",
+            "slot_key",
+            postgresql_where=text(SLOT_RUNNING_SQL),
+            sqlite_where=text(SLOT_RUNNING_SQL),
+        ),
+        # a limited task's rows waiting for a slot, or granted one, in submission order
+        Index(
+            f"{prefix}tasks_slot_queue",
+            "name",
+            "slot_key",
+            "slot",
+            "created_at",
+            postgresql_where=text("slot IS NOT NULL"),
+            sqlite_where=text("slot IS NOT NULL"),
         ),
         # retention and the health figures read finished rows by finish time; name and
         # state let the per-task counts of a window be read from the index alone
@@ -475,6 +505,19 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         Column("keep_until", DbTime(), nullable=False),
         Index(f"{prefix}purged_keep_until", "keep_until"),
     )
+    # one row per (task name, concurrency key) ever claimed with a limit: its lock (a
+    # claim, a grant take it, so a slot is counted and taken by one at a time) and the
+    # limit the last claim's code gave (schema version 13)
+    concurrency = Table(
+        f"{prefix}concurrency",
+        md,
+        Column("name", _ID, primary_key=True),
+        Column("key", String(255), primary_key=True),
+        Column("max_slots", Integer, nullable=False),
+        # the last time a waiting row was granted a slot: the keys take turns
+        Column("served_at", DbTime()),
+        Column("updated_at", DbTime(), nullable=False),
+    )
     schedules, beats = _schedule_tables(md, prefix)
     return Tables(
         md,
@@ -492,6 +535,7 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         purged,
         schedules,
         beats,
+        concurrency,
     )
 
 
@@ -563,7 +607,15 @@ def never_published(tables: Tables, grace: float) -> ColumnElement[bool]:
         after(t.c.updated_at, grace) < db_now(),
         # a held row is published by the held sweep when due, not after the grace
         t.c.held == false(),
+        not_waiting(tables),
     )
+
+
+def not_waiting(tables: Tables) -> ColumnElement[bool]:
+    """Not a row waiting for a concurrency slot: its message was delivered and acked on
+    purpose, and it is published when a slot is granted to it, not when it looks lost."""
+    t = tables.tasks
+    return or_(t.c.slot.is_(None), t.c.slot != "waiting")
 
 
 def message_lost(tables: Tables, republish_after: float, slack: float = 0.0) -> ColumnElement[bool]:
@@ -579,6 +631,7 @@ def message_lost(tables: Tables, republish_after: float, slack: float = 0.0) -> 
     )
     return and_(
         t.c.published_at.is_not(None),
+        not_waiting(tables),
         after(
             greatest(func.coalesce(t.c.eta, t.c.published_at), t.c.published_at),
             literal(republish_after) * backoff + slack,

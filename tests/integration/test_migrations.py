@@ -118,6 +118,7 @@ def test_migrating_an_empty_database_gives_exactly_the_table_definitions(make_st
             "purged",
             "schedules",
             "beats",
+            "concurrency",
         )
     }
     assert migrated == expected
@@ -288,9 +289,44 @@ def _drop_origin(store: Any, conn: Any) -> None:
 
 
 def _drop_revision(store: Any, conn: Any) -> None:
-    """Drop the ``revision`` column schema version 12 added."""
+    """Drop the ``revision`` column schema version 12 added (and what version 13 added
+    after it)."""
+    _drop_concurrency(store, conn)
     table = store.engine.dialect.identifier_preparer.format_table(store.t.tasks)
     conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN revision")
+
+
+def _drop_concurrency(store: Any, conn: Any) -> None:
+    """Back to schema version 12: no slot columns on tasks, their indexes, nor the
+    concurrency table."""
+    tasks = store.t.tasks
+    for index in tasks.indexes:
+        if index.name.endswith(("_slot_running", "_slot_queue")):
+            index.drop(conn)
+    table = store.engine.dialect.identifier_preparer.format_table(tasks)
+    conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN slot")
+    conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN slot_key")
+    store.t.concurrency.drop(conn)
+
+
+def test_a_version_12_database_gains_the_concurrency_slots_and_keeps_its_rows(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    task = NewTask(
+        id="old", name="t", args="[]", kwargs="{}", options=None, lease_ttl=30, max_recoveries=5
+    )
+    store.submit(task)
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 12 left it
+        _drop_concurrency(store, conn)
+        conn.execute(t.version.delete().where(t.version.c.version > 12))
+    assert store.schema_version() == 12
+
+    assert store.migrate() == (12, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    record = store.get("old")
+    assert record is not None and record.state is State.PENDING
 
 
 def test_a_version_11_database_gains_the_revision_column_and_keeps_its_rows(make_store):

@@ -28,7 +28,9 @@ What a row claimed ahead changes, and the rules that keep it safe:
 - a claim made ahead is RUNNING while its delivery waits for a pool process, so tasks
   with ``max_runtime`` (the wait would count against their limit) and tasks whose
   ``on_timeout`` is ``'manual'`` (a lost worker would hand a person a run that never
-  began) are never claimed ahead: their pool processes claim them at start;
+  began) are never claimed ahead: their pool processes claim them at start; nor are
+  tasks with a concurrency limit (a slot held by a delivery waiting for a pool
+  process would be a slot no one runs in);
 - a claim whose delivery will not start here is given back
   (:meth:`~celery_lease.store.Store.unclaim`, fenced by owner, attempt and token): its
   lease ends and the row is retried at once with no recovery counted (none of its
@@ -179,7 +181,12 @@ class LeaseAgent:
             takes = False
             if hasattr(task, "lease_options"):
                 options = task.lease_options(self.rt.config)
-                takes = options.max_runtime is None and options.on_timeout == "retry"
+                takes = (
+                    options.max_runtime is None
+                    and options.on_timeout == "retry"
+                    # a limited task takes its slot in its own claim, at its start
+                    and options.concurrency_limit is None
+                )
             self._takes[name] = takes
         return takes
 

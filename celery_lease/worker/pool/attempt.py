@@ -24,6 +24,7 @@ from ...exceptions import ConfigurationError, LeaseLost, NotSerializable, StoreE
 from ...producer import follow_ups as _follow_ups
 from ...producer import message as _message
 from ...producer import publisher as _publisher
+from ...producer import slots as _slots
 from ...states import State
 from ...store import (
     DUPLICATES_DROPPED,
@@ -32,6 +33,7 @@ from ...store import (
     NewTask,
     Outcome,
     Refusal,
+    Slot,
     Store,
     dumps,
 )
@@ -106,6 +108,8 @@ class _Delivery:
         options = self.options
         if options.max_runtime is not None or options.on_timeout != "retry":
             return None
+        if options.concurrency_limit is not None:
+            return None  # a limited task takes its slot in its own claim
         if _message.revision_of(self.req) is not None:
             return None  # a replaced task's message: its claim checks the revision
         if not self.inc.flags.claimable(self.rt.config.heartbeat_interval):
@@ -141,17 +145,37 @@ class _Delivery:
             inc.actor,
             adopt=lambda: self._adoption(args, kwargs),
             revision=_message.revision_of(self.req),
+            slot=self._slot(args, kwargs),
         )
         if isinstance(claim, Refusal):
             if claim.early:
                 self._publish_again()
-            else:
+            elif not claim.waiting:  # a waiting row is published when a slot frees
                 _count_duplicate(store)
             logger.info(
                 "task %s[%s]: delivery dropped without running (%s)", task.name, req.id, claim.why
             )
             raise Ignore()
         return claim
+
+    def _slot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Slot | None:
+        """The concurrency slot this delivery's claim must take (``None``: no limit).
+        A key that cannot be made from a delivery (a message sent by name, never
+        checked at submission) counts under the task's whole limit: stricter, not
+        looser."""
+        limit = _slots.limit_of(self.task)
+        if limit is None:
+            return None
+        try:
+            return limit.slot_of(args, kwargs)
+        except (TypeError, ValueError) as error:
+            logger.error(
+                "task %s[%s]: %s; counted under the task's global limit",
+                self.task.name,
+                self.task_id,
+                error,
+            )
+            return Slot(limit.task, "", limit.limit)
 
     def _held_by_pause(self) -> bool:
         """A delivery of a paused task name (or prefetched from a paused queue) is not

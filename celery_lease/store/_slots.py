@@ -1,0 +1,268 @@
+"""Concurrency limits: the slots of a limited task (globally, or per concurrency key),
+counted and taken under one lock per (task name, key), and given to waiting rows.
+
+A slot is not a row of its own: the slots in use are the task's RUNNING rows under
+that key, plus the PENDING rows a freed slot was granted to and that are not claimed
+yet. So a slot is freed by the very state change that ends a run (the fenced outcome,
+a retry, the reaper's expiry, an overrun, a claim given back), in its transaction,
+exactly once, and never by a clock; a cancelled waiting or granted row stops counting
+by being cancelled.
+
+Taking one is serialized per (name, key) by the row of the ``concurrency`` table:
+
+* a claim (:meth:`~celery_lease.store._claim.Claims.claim` with a :class:`Slot`) locks
+  it (an upsert that also records the limit its code gives), then moves the row
+  ``PENDING -> RUNNING`` in one compare-and-set whose ``WHERE`` counts the slots in use
+  below the limit; if only the count stops it, the row is marked ``slot='waiting'``
+  with the reason, in the same transaction, and the delivery is acked without running;
+* a grant (:meth:`Slots.grant`: the worker whose commit freed slots, at once; the
+  reaper's :meth:`Slots.take_waiting` as the backstop) locks it, counts, and marks the
+  oldest waiting rows ``slot='granted'``, reserved for publishing.
+
+A free does not take the lock: it commits first, then grants. A claim that counted
+before that commit holds the lock until its "waiting" mark commits, so the grant that
+follows sees the mark; a claim that counts after it sees the slot free. A row waiting
+is never in the broker and never polled: it is published when it is granted a slot.
+On SQLite every write transaction is serialized (``BEGIN IMMEDIATE``), which decides
+the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Integer,
+    String,
+    bindparam,
+    func,
+    literal_column,
+    select,
+    update,
+)
+from sqlalchemy.sql.dml import Insert
+
+from ..states import State
+from ._base import StoreBase, state_is
+from ._types import Publishable, Slot, SlotUsage
+from .schema import db_now, seconds_between
+
+#: ``tasks.slot`` of a PENDING row whose delivery found no slot: acked, not in the broker.
+WAITING = "waiting"
+#: ``tasks.slot`` of a PENDING row a freed slot is kept for: published, not yet claimed.
+GRANTED = "granted"
+
+
+def waiting_reason(slot: Slot) -> str:
+    """The reason a waiting row shows (``lease show``, the Django admin)."""
+    return f"waiting for a slot of {slot.label()} (limit {slot.limit})"
+
+
+def _running(t: Any) -> list[ColumnElement[bool]]:
+    # written as the partial index's own words, so that both databases use it
+    return [t.c.slot_key.is_not(None), t.c.state == literal_column("'RUNNING'")]
+
+
+def _queued(t: Any, slot: str) -> list[ColumnElement[bool]]:
+    return [
+        t.c.slot.is_not(None),
+        t.c.slot == literal_column(f"'{slot}'"),
+        state_is(t, State.PENDING),
+    ]
+
+
+def holders(t: Any, name: Any, key: Any, exclude: Any = None) -> ColumnElement[int]:
+    """The slots in use under (``name``, ``key``): RUNNING rows and rows granted one
+    (not ``exclude``, the row asking: a row granted a slot takes its own)."""
+    running = select(func.count()).where(t.c.name == name, t.c.slot_key == key, *_running(t))
+    granted = select(func.count()).where(
+        t.c.name == name, t.c.slot_key == key, *_queued(t, GRANTED)
+    )
+    if exclude is not None:
+        granted = granted.where(t.c.id != exclude)
+    return running.scalar_subquery() + granted.scalar_subquery()
+
+
+class Slots(StoreBase):
+    """Locks and grants of concurrency slots; what operators read of them."""
+
+    def _lock_slot_statement(self) -> Insert:
+        c = self.t.concurrency
+        stmt = self._insert(c).values(
+            name=bindparam("b_slot_name", type_=String),
+            key=bindparam("b_slot_key", type_=String),
+            max_slots=bindparam("b_limit", type_=Integer),
+            updated_at=db_now(),
+        )
+        # a conflict locks the row even when the limit is unchanged and nothing is written
+        return stmt.on_conflict_do_update(
+            index_elements=[c.c.name, c.c.key],
+            set_={"max_slots": stmt.excluded.max_slots, "updated_at": db_now()},
+            where=c.c.max_slots != stmt.excluded.max_slots,
+        )
+
+    def lock_slot(self, conn: Connection, slot: Slot) -> None:
+        """Take (name, key)'s lock in the caller's transaction, recording the limit the
+        caller's code gives (rows already waiting follow it)."""
+        conn.execute(
+            self._prepared("slot-lock", self._lock_slot_statement),
+            {"b_slot_name": slot.name, "b_slot_key": slot.key, "b_limit": slot.limit},
+        )
+
+    def mark_waiting(self, conn: Connection, task_id: str, slot: Slot) -> bool:
+        """The PENDING row ``task_id`` found no slot: it waits (its delivery is acked);
+        whether it was still PENDING."""
+        t = self.t.tasks
+        done = conn.execute(
+            update(t)
+            .where(t.c.id == task_id, state_is(t, State.PENDING))
+            .values(
+                slot=WAITING,
+                slot_key=slot.key,
+                reason=waiting_reason(slot),
+                updated_at=db_now(),
+            )
+        ).rowcount
+        return bool(done)
+
+    def grant(self, pairs: Sequence[tuple[str, str]]) -> list[Publishable]:
+        """Give the free slots of these (name, key) pairs to their oldest waiting rows:
+        those rows are marked granted and reserved for publishing now (returned; if
+        they are never published, the reaper's grace sweep publishes them)."""
+        out: list[Publishable] = []
+        for name, key in pairs:
+
+            def op(conn: Connection, _: bool, name: str = name, key: str = key) -> list[Any]:
+                return self._grant(conn, name, key)
+
+            out += self._tx(op)
+        return out
+
+    def _grant(self, conn: Connection, name: str, key: str) -> list[Publishable]:
+        t, c = self.t.tasks, self.t.concurrency
+        q = select(c.c.max_slots).where(c.c.name == name, c.c.key == key)
+        if self.is_pg:
+            q = q.with_for_update()
+        limit = conn.execute(q).scalar()
+        if limit is None:
+            return []
+        free = int(limit) - int(conn.execute(select(holders(t, name, key))).scalar_one())
+        if free <= 0:
+            return []
+        waiting = (
+            select(t.c.id)
+            .where(t.c.name == name, t.c.slot_key == key, *_queued(t, WAITING))
+            .where(self._not_paused())
+            .order_by(t.c.created_at, t.c.id)
+            .limit(free)
+        )
+        ids = self._take_ids(conn, waiting)
+        if not ids:
+            return []
+        rows = conn.execute(
+            update(t)
+            .where(t.c.id.in_(ids), state_is(t, State.PENDING), t.c.slot == WAITING)
+            .values(
+                slot=GRANTED,
+                published_at=None,
+                updated_at=db_now(),
+                held=False,
+                reason=f"granted a slot of {Slot(name, key, int(limit)).label()}: published",
+            )
+            .returning(t.c.id, *self._publishable_columns())
+        ).all()
+        conn.execute(update(c).where(c.c.name == name, c.c.key == key).values(served_at=db_now()))
+        return self._publishable(rows)
+
+    def _not_paused(self) -> ColumnElement[bool]:
+        t, p = self.t.tasks, self.t.pauses
+        paused: Any = select(p.c.target).where(p.c.kind == "task")
+        return t.c.name.not_in(paused)
+
+    def take_waiting(self, *, limit: int | None = None) -> list[Publishable]:
+        """The reaper's backstop: grant the free slots of the keys that have rows
+        waiting (a grant that never ran: its worker died after its commit, or a granted
+        row was cancelled), least recently served keys first, so keys take turns; at
+        most ``limit`` keys (a batch)."""
+        t, c = self.t.tasks, self.t.concurrency
+        batch = limit or self.config.reaper_batch_size
+        has_waiting = (
+            select(t.c.id)
+            .where(t.c.name == c.c.name, t.c.slot_key == c.c.key, *_queued(t, WAITING))
+            .exists()
+        )
+        q = (
+            select(c.c.name, c.c.key)
+            .where(has_waiting)
+            .order_by(c.c.served_at.is_not(None), c.c.served_at, c.c.name, c.c.key)
+            .limit(batch)
+        )
+        pairs = [(str(r.name), str(r.key)) for r in self._read(lambda conn: conn.execute(q).all())]
+        return self.grant(pairs)
+
+    def slot_usage(self, *, name: str | None = None, limit: int = 1000) -> list[SlotUsage]:
+        """Each limited task and key seen: its limit, slots in use, rows waiting, and
+        the submission time of the oldest waiting row (``lease stats``, the metrics)."""
+        t, c = self.t.tasks, self.t.concurrency
+
+        def count(*where: Any) -> Any:
+            return (
+                select(func.count())
+                .where(t.c.name == c.c.name, t.c.slot_key == c.c.key, *where)
+                .scalar_subquery()
+            )
+
+        oldest = (
+            select(func.min(t.c.created_at))
+            .where(t.c.name == c.c.name, t.c.slot_key == c.c.key, *_queued(t, WAITING))
+            .scalar_subquery()
+        )
+        q = select(
+            c.c.name,
+            c.c.key,
+            c.c.max_slots,
+            count(*_running(t)).label("running"),
+            count(*_queued(t, GRANTED)).label("granted"),
+            count(*_queued(t, WAITING)).label("waiting"),
+            oldest.label("oldest"),
+            seconds_between(db_now(), oldest).label("age"),
+        )
+        if name is not None:
+            q = q.where(c.c.name == name)
+        q = q.order_by(c.c.name, c.c.key).limit(limit)
+        rows = self._read(lambda conn: conn.execute(q).all())
+        out = []
+        for r in rows:
+            oldest_at: datetime | None = r.oldest
+            out.append(
+                SlotUsage(
+                    str(r.name),
+                    str(r.key),
+                    int(r.max_slots),
+                    int(r.running),
+                    int(r.granted),
+                    int(r.waiting),
+                    oldest_at,
+                    float(r.age) if r.age is not None else None,
+                )
+            )
+        return out
+
+    def waiting_rows(self, *, name: str | None = None, limit: int = 100) -> list[Any]:
+        """The rows waiting for a slot, oldest first per task and key: (id, name, key,
+        created_at, reason) (``lease list --waiting``)."""
+        t = self.t.tasks
+        q = select(t.c.id, t.c.name, t.c.slot_key, t.c.created_at, t.c.reason).where(
+            *_queued(t, WAITING)
+        )
+        if name is not None:
+            q = q.where(t.c.name == name)
+        q = q.order_by(t.c.name, t.c.slot_key, t.c.created_at, t.c.id).limit(limit)
+        return list(self._read(lambda conn: conn.execute(q).all()))
+
+
+__all__ = ["GRANTED", "WAITING", "Slots", "holders", "waiting_reason"]
