@@ -1,0 +1,280 @@
+"""Concurrency limits in the store, on SQLite and PostgreSQL: a slot is taken in the
+claim's transaction under its key's lock and freed by the state change that ends the
+run (the fenced outcome, a retry, the reaper's expiry), once; a claim that finds no slot
+leaves its row PENDING and waiting, never re-published as lost; a free grants the
+oldest waiting row; a late outcome of a lost lease frees nothing; concurrent claims
+never take more slots than the limit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from celery_lease.states import State
+from celery_lease.store import Claim, NewTask, Outcome, Refusal, Slot, Store
+
+S = State
+NAME = "tests.report"
+
+
+def new_task(**overrides: Any) -> NewTask:
+    values: dict[str, Any] = {
+        "id": uuid.uuid4().hex,
+        "name": NAME,
+        "args": "[1]",
+        "kwargs": "{}",
+        "options": "{}",
+        "lease_ttl": 30.0,
+        "max_recoveries": 5,
+        "message": None,
+    }
+    values.update(overrides)
+    return NewTask(**values)
+
+
+def submit(store: Store, n: int = 1) -> list[str]:
+    ids = []
+    for _ in range(n):
+        task_id, created = store.submit(new_task())
+        assert created
+        ids.append(task_id)
+    store.mark_published(ids)
+    return ids
+
+
+def register(store: Store) -> str:
+    worker_id = uuid.uuid4().hex
+    store.register_worker(worker_id, f"w-{worker_id[:6]}@host", "host", os.getpid())
+    return worker_id
+
+
+def running_under(store: Store, key: str) -> int:
+    t = store.t.tasks
+    with store.engine.connect() as conn:
+        return int(
+            conn.execute(
+                select(func.count()).where(
+                    t.c.name == NAME, t.c.slot_key == key, t.c.state == S.RUNNING.value
+                )
+            ).scalar_one()
+        )
+
+
+class Freed:
+    """Records the (name, key) pairs each commit freed (the runtime's hook, without a
+    broker: the test grants them itself)."""
+
+    def __init__(self, store: Store) -> None:
+        self.pairs: list[tuple[str, str]] = []
+        store.on_slots_freed = self
+
+    def __call__(self, pairs: Sequence[tuple[str, str]]) -> None:
+        self.pairs += pairs
+
+
+def test_a_full_key_makes_a_claim_wait_and_a_free_grants_the_oldest_waiting_row(store):
+    freed = Freed(store)
+    owner = register(store)
+    slot = Slot(NAME, "tenant=42", 2)
+    a, b, c, d = submit(store, 4)
+    first = store.claim(a, owner, "w", slot=slot)
+    second = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(first, Claim) and isinstance(second, Claim)
+    third = store.claim(c, owner, "w", slot=slot)
+    fourth = store.claim(d, owner, "w", slot=slot)
+    assert isinstance(third, Refusal) and third.waiting and third.state is S.PENDING
+    assert isinstance(fourth, Refusal) and fourth.waiting
+    record = store.get(c)
+    assert record is not None and record.state is S.PENDING
+    assert record.reason == "waiting for a slot of tests.report[tenant=42] (limit 2)"
+    assert [w.id for w in store.waiting_rows()] == [c, d]
+    (usage,) = store.slot_usage()
+    assert (usage.key, usage.limit, usage.running, usage.granted, usage.waiting) == (
+        "tenant=42",
+        2,
+        2,
+        0,
+        2,
+    )
+    # a waiting row is not a lost message: the reaper does not publish it again
+    assert c not in {p.id for p in store.take_unpublished()}
+
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")
+    assert freed.pairs == [(NAME, "tenant=42")]
+    granted = store.grant(freed.pairs)
+    assert [p.id for p in granted] == [c]  # submission order: the oldest waiting row
+    assert store.grant(freed.pairs) == []  # the slot is kept for c: nothing more to give
+    # a fresh claim of the last row finds every slot taken (one RUNNING, one granted)
+    again = store.claim(d, owner, "w", slot=slot)
+    assert isinstance(again, Refusal) and again.waiting
+    got = store.claim(c, owner, "w", slot=slot)
+    assert isinstance(got, Claim)
+    assert running_under(store, "tenant=42") == 2
+
+
+def test_keys_are_independent_and_a_task_without_a_slot_is_not_counted(store):
+    owner = register(store)
+    a, b, c = submit(store, 3)
+    assert isinstance(store.claim(a, owner, "w", slot=Slot(NAME, "k=1", 1)), Claim)
+    assert isinstance(store.claim(b, owner, "w", slot=Slot(NAME, "k=2", 1)), Claim)
+    # an unlimited claim of the same task name never touches the slots
+    assert isinstance(store.claim(c, owner, "w"), Claim)
+    assert (running_under(store, "k=1"), running_under(store, "k=2")) == (1, 1)
+
+
+def test_retry_and_expiry_free_the_slot_only_when_the_row_leaves_running(store):
+    freed = Freed(store)
+    owner = register(store)
+    slot = Slot(NAME, "", 1)
+    a, b = submit(store, 2)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    assert isinstance(store.claim(b, owner, "w", slot=slot), Refusal)
+    # a retry ends the run: the slot is freed in the retry's transaction
+    assert store.schedule_retry(first.lease, 0.0, actor="task", reason="retry", error=None)
+    assert freed.pairs == [(NAME, "")]
+    assert [p.id for p in store.grant(freed.pairs)] == [b]
+    second = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(second, Claim)
+    # the retried row's own delivery now finds no slot: it waits behind b's run
+    again = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(again, Refusal) and again.waiting
+    # b's worker is lost: only the reaper's decision frees the slot, not time
+    freed.pairs.clear()
+    store.stop_worker(owner, "gone")
+    assert freed.pairs == []
+    assert store.grant([(NAME, "")]) == []
+    (expiry,) = store.expire(actor="reaper", reason="lease expired", task_ids=[b])
+    assert expiry.to_state is S.RETRY_WAIT
+    assert freed.pairs == [(NAME, "")]
+    assert [p.id for p in store.grant(freed.pairs)] == [a]
+
+
+def test_a_late_outcome_of_a_lost_lease_frees_nothing_twice(store):
+    freed = Freed(store)
+    owner = register(store)
+    slot = Slot(NAME, "t", 1)
+    a, b, c = submit(store, 3)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    store.expire(actor="reaper", reason="frozen", task_ids=[a], only_expired=False)
+    assert [p.id for p in store.take_due_retries(actor="reaper")] == [a]
+    second = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(second, Claim)
+    freed.pairs.clear()
+    # the frozen attempt thaws and reports: fenced off, and no slot is freed
+    assert not store.finish(first.lease, S.SUCCEEDED, actor="task", reason="late")
+    assert store.finish_many([], actor="task") == []
+    assert freed.pairs == []
+    waits = store.claim(c, owner, "w", slot=slot)
+    assert isinstance(waits, Refusal) and waits.waiting
+    assert running_under(store, "t") == 1
+
+
+def test_a_cancelled_waiting_row_frees_and_takes_nothing(store):
+    owner = register(store)
+    slot = Slot(NAME, "t", 1)
+    a, b, c = submit(store, 3)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    for task_id in (b, c):
+        assert isinstance(store.claim(task_id, owner, "w", slot=slot), Refusal)
+    store.operator_move(b, S.CANCELLED, actor="ops", reason="not needed")
+    assert store.grant([(NAME, "t")]) == []  # the slot is still a's
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")
+    assert [p.id for p in store.grant([(NAME, "t")])] == [c]
+    (usage,) = store.slot_usage()
+    assert (usage.running, usage.granted, usage.waiting) == (0, 1, 0)
+
+
+def test_the_reaper_grants_free_slots_of_waiting_rows_when_no_worker_did(store):
+    owner = register(store)
+    slot = Slot(NAME, "t", 1)
+    a, b = submit(store, 2)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    assert isinstance(store.claim(b, owner, "w", slot=slot), Refusal)
+    assert store.take_waiting() == []  # no slot free
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")  # no hook
+    assert [p.id for p in store.take_waiting()] == [b]
+    assert store.take_waiting() == []
+
+
+def test_a_lower_limit_from_new_code_applies_to_rows_already_waiting(store):
+    owner = register(store)
+    a, b, c = submit(store, 3)
+    for task_id in (a, b):
+        assert isinstance(store.claim(task_id, owner, "w", slot=Slot(NAME, "t", 3)), Claim)
+    # new code says 1: the waiting row gets no slot until the running ones drop below it
+    assert isinstance(store.claim(c, owner, "w", slot=Slot(NAME, "t", 1)), Refusal)
+    assert store.take_waiting() == []
+    (usage,) = store.slot_usage()
+    assert usage.limit == 1
+
+
+@pytest.mark.parametrize("limit", [2])
+def test_claims_at_once_from_many_threads_never_take_more_slots_than_the_limit(store, limit):
+    owner = register(store)
+    ids = submit(store, 12)
+    slot = Slot(NAME, "t", limit)
+    barrier = threading.Barrier(len(ids))
+    answers: dict[str, Claim | Refusal] = {}
+    errors: list[BaseException] = []
+
+    def claim(task_id: str) -> None:
+        try:
+            barrier.wait()
+            answers[task_id] = store.claim(task_id, owner, "w", slot=slot)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    claimed = [i for i, a in answers.items() if isinstance(a, Claim)]
+    assert len(claimed) == limit
+    assert all(isinstance(a, Refusal) and a.waiting for i, a in answers.items() if i not in claimed)
+    assert running_under(store, "t") == limit
+    (usage,) = store.slot_usage()
+    assert usage.waiting == len(ids) - limit
+
+
+def test_outcomes_and_retries_written_in_batches_free_their_slots(store):
+    freed = Freed(store)
+    owner = register(store)
+    a, b, c, d = submit(store, 4)
+    claims = []
+    for task_id, key in ((a, "k=1"), (b, "k=2"), (c, "k=3")):
+        got = store.claim(task_id, owner, "w", slot=Slot(NAME, key, 1))
+        assert isinstance(got, Claim)
+        claims.append(got)
+    unlimited = store.claim(d, owner, "w")
+    assert isinstance(unlimited, Claim)
+    done = store.finish_many(
+        [
+            Outcome(claims[0].lease, S.SUCCEEDED, "done", None, None),
+            Outcome(unlimited.lease, S.SUCCEEDED, "done", None, None),
+        ],
+        actor="writer",
+    )
+    assert done == [True, True]
+    assert freed.pairs == [(NAME, "k=1")]
+    retried = store.retry_many(
+        [
+            Outcome(claims[1].lease, S.RETRY_WAIT, "again", None, None, 0.0, None),
+            Outcome(claims[2].lease, S.RETRY_WAIT, "again", None, None, 0.0, None),
+        ],
+        actor="writer",
+    )
+    assert retried == [True, True]
+    assert sorted(freed.pairs) == [(NAME, "k=1"), (NAME, "k=2"), (NAME, "k=3")]
