@@ -1,0 +1,182 @@
+"""Concurrency limits with real workers, on Redis and RabbitMQ: two prefork workers of
+two processes each run a task limited to 2 at once and a task limited to 1 per tenant;
+from the recorded start and end of every run (the task's own, and the audit trail's in
+database time) the limit is never exceeded. No reaper runs: every waiting row is
+started by the worker whose outcome freed a slot, not by a sweep. Bad options and
+keys fail at decoration or submission and write nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_lease import ConfigurationError, InvalidSubmission, LeasedTask, State
+
+from ..crash.support import LeaseEnv, pg_only
+
+S = State
+
+SOURCE = """
+import os
+import time
+
+from celery_lease import LeasedTask
+
+LOG = os.environ["CONC_LOG"]
+
+
+def record(event, key, i):
+    with open(LOG, "a") as f:
+        f.write(f"{event} {key} {i} {time.monotonic()!r}\\n")
+
+
+@app.task(base=LeasedTask, shared=False, name="c.report", concurrency_limit=2)
+def report(i, pause):
+    record("start", "", i)
+    time.sleep(pause)  # the work: long enough for runs to overlap
+    record("end", "", i)
+    return i
+
+
+@app.task(base=LeasedTask, shared=False, name="c.tenant", concurrency_key="tenant")
+def tenant_job(i, pause, tenant):
+    record("start", tenant, i)
+    time.sleep(pause)
+    record("end", tenant, i)
+    return i
+"""
+
+
+def peak(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at once (an end at the same instant as a start closes
+    first)."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    open_, most = 0, 0
+    for _, step in events:
+        open_ += step
+        most = max(most, open_)
+    return most
+
+
+def runs_from_log(path: Path) -> dict[str, list[tuple[float, float]]]:
+    """Each key's (start, end) of every run the tasks recorded."""
+    starts: dict[tuple[str, str], float] = {}
+    runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        event, key, i, at = line.split(" ")
+        if event == "start":
+            starts[(key, i)] = float(at)
+        else:
+            runs[key].append((starts.pop((key, i)), float(at)))
+    assert not starts, f"runs that never ended: {starts}"
+    return runs
+
+
+def running_intervals(p: Any, task_ids: list[str]) -> list[tuple[float, float]]:
+    """Each task's RUNNING spans from its audit trail (database time)."""
+    spans = []
+    for task_id in task_ids:
+        began = None
+        for r in p.store.history(task_id):
+            if r.to_state is S.RUNNING:
+                began = r.at.timestamp()
+            elif r.from_state is S.RUNNING and began is not None:
+                spans.append((began, r.at.timestamp()))
+                began = None
+    return spans
+
+
+@pg_only()
+def test_limits_hold_across_workers_and_each_free_starts_a_waiting_row(
+    lease_env: LeaseEnv, broker_url: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "runs.log"
+    log.touch()
+    p = lease_env.project(
+        broker_url=broker_url,
+        source=SOURCE,
+        env={"CONC_LOG": str(log)},
+        # no reaper anywhere: a waiting row can only be started by the worker whose
+        # outcome freed the slot
+        embedded_reaper=False,
+    )
+    reports = [p.submit("c.report", i, 0.3) for i in range(8)]
+    tenants = [p.submit("c.tenant", i, 0.2, f"t{i % 2}") for i in range(6)]
+    p.worker("w1", concurrency=2)
+    p.worker("w2", concurrency=2)
+    for task_id in reports + tenants:
+        record = p.wait_state(task_id, S.SUCCEEDED, timeout=60)
+        assert record.attempt == 1  # a waiting row is not re-claimed: it waited, then ran
+    runs = runs_from_log(log)
+    assert len(runs[""]) == 8 and len(runs["t0"]) == 3 and len(runs["t1"]) == 3
+    assert peak(runs[""]) <= 2
+    assert peak(runs["t0"]) <= 1 and peak(runs["t1"]) <= 1
+    assert peak(running_intervals(p, reports)) <= 2
+    tenant_ids = {f"t{k}": [t for i, t in enumerate(tenants) if i % 2 == k] for k in (0, 1)}
+    for ids in tenant_ids.values():
+        assert peak(running_intervals(p, ids)) <= 1
+    # four pool processes and a limit of two: deliveries did wait for a slot
+    assert any("waiting for a slot of c.report" in (w.log_text() or "") for w in p.workers), (
+        "no delivery of c.report ever waited"
+    )
+    usage = {(u.name, u.key): u for u in p.store.slot_usage()}
+    assert usage[("c.report", "")].limit == 2
+    assert all(u.running == u.granted == u.waiting == 0 for u in usage.values())
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"concurrency_limit": 0}, "concurrency_limit must be a positive whole number"),
+        ({"concurrency_limit": -1}, "concurrency_limit"),
+        ({"concurrency_limit": 1.5}, "concurrency_limit"),
+        ({"concurrency_limit": True}, "concurrency_limit"),
+        ({"concurrency_limit": "2"}, "concurrency_limit"),
+        ({"concurrency_key": "tenant_id"}, "names no argument of the task"),
+        ({"concurrency_key": 42}, "concurrency_key must be an argument's name or a callable"),
+    ],
+)
+def test_bad_options_fail_at_decoration(options: dict[str, Any], match: str) -> None:
+    app = Celery("bad", set_as_current=False)
+    with pytest.raises(ConfigurationError, match=match):
+
+        @app.task(base=LeasedTask, shared=False, name="bad.task", **options)
+        def task(tenant: int, x: int = 0) -> None:
+            pass
+
+        app.finalize()
+
+
+def test_bad_keys_fail_at_submission_and_write_nothing(lease_env: LeaseEnv) -> None:
+    p = lease_env.project(source=SOURCE, env={"CONC_LOG": "/dev/null"})
+    app = p.module.app
+
+    def boom(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        raise KeyError("region")
+
+    bad_keys: list[Any] = [
+        boom,
+        lambda args, kwargs: 42,
+        lambda args, kwargs: "",
+        lambda args, kwargs: "x" * 256,
+    ]
+    for n, key in enumerate(bad_keys):
+
+        def job(region: str) -> str:
+            return region
+
+        task = app.task(base=LeasedTask, shared=False, name=f"k.{n}", concurrency_key=key)(job)
+        with pytest.raises(InvalidSubmission) as info:
+            task.apply_async(("eu",))
+        assert info.value.argument == "concurrency_key"
+        assert f"task k.{n}: concurrency_key" in str(info.value)
+    assert p.store.list_tasks() == []
+    # a good key: the named argument, given by position or by name
+    by_position = app.tasks["c.tenant"].apply_async((1, 0.1, "t9"))
+    by_name = app.tasks["c.tenant"].apply_async((2, 0.1), {"tenant": "t9"})
+    assert {r.id for r in p.store.list_tasks()} == {by_position.id, by_name.id}
