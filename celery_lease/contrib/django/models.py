@@ -90,6 +90,18 @@ class Task(models.Model):
         help_text="Held in the store until its ETA (lease_hold_eta_after): the reaper "
         "publishes it when due.",
     )
+    slot_key = models.CharField(
+        max_length=255,
+        null=True,
+        help_text="A task with a concurrency limit: the key its last claim counted it "
+        "under (empty: the task's one global limit).",
+    )
+    slot = models.CharField(
+        max_length=8,
+        null=True,
+        help_text="While PENDING: 'waiting' for a concurrency slot (published when one "
+        "frees) or 'granted' one (published, not yet claimed).",
+    )
 
     objects: ClassVar[LeaseManager] = LeaseManager()
 
