@@ -35,6 +35,12 @@ quantile}``                                                window (SUCCEEDED and
                                                            into the transition totals yet
 ``celery_lease_transitions_uncounted``          gauge      audit ids above this scrape's tail
                                                            (counters behind by at most this)
+``celery_lease_concurrency_slots_in_use        gauge      a limited task's slots in use per
+{task,key}``                                               concurrency key (``""``: global)
+``celery_lease_concurrency_limit{task,key}``    gauge      its limit, as its last claim gave it
+``celery_lease_concurrency_waiting{task,key}``  gauge      rows waiting for a slot of the key
+``celery_lease_concurrency_oldest_waiting_age_  gauge      age of the key's oldest waiting row
+seconds{task,key}``
 ``celery_lease_beat_slots_missed_total{entry}`` counter    beat slots missed while no beat ran
                                                            (not run: catch-up policy, window)
 ``celery_lease_beat_slots_skipped_total{entry}`` counter   beat slots skipped by the overlap
@@ -68,7 +74,7 @@ from ._runtime import runtime
 from .exceptions import CeleryLeaseError, MissingDependencyError
 from .health import TaskHealth, state_counts, task_health
 from .states import State
-from .store import Store, Totals
+from .store import SlotUsage, Store, Totals
 
 logger = logging.getLogger("celery_lease.metrics")
 
@@ -144,6 +150,37 @@ def _task_families(core: Any, health: list[TaskHealth]) -> Iterator[Any]:
         pending.add_metric([h.name], h.pending)
         oldest.add_metric([h.name], h.oldest_pending_age or 0.0)
     yield from (runtime_, max_runtime, ttl, finished, failure, cancel, pending, oldest)
+
+
+def _slot_families(core: Any, usage: list[SlotUsage]) -> Iterator[Any]:
+    """Per limited task and key: slots in use, limit, rows waiting, oldest waiting age."""
+    labels = ["task", "key"]
+    in_use = core.GaugeMetricFamily(
+        "celery_lease_concurrency_slots_in_use",
+        "Slots of a limited task in use per concurrency key (RUNNING, or granted)",
+        labels=labels,
+    )
+    limit = core.GaugeMetricFamily(
+        "celery_lease_concurrency_limit",
+        "The concurrency limit per key, as the task's last claim gave it",
+        labels=labels,
+    )
+    waiting = core.GaugeMetricFamily(
+        "celery_lease_concurrency_waiting",
+        "PENDING rows waiting for a concurrency slot of the key",
+        labels=labels,
+    )
+    oldest = core.GaugeMetricFamily(
+        "celery_lease_concurrency_oldest_waiting_age_seconds",
+        "Seconds since the key's oldest waiting row was submitted",
+        labels=labels,
+    )
+    for u in usage:
+        in_use.add_metric([u.name, u.key], u.running + u.granted)
+        limit.add_metric([u.name, u.key], u.limit)
+        waiting.add_metric([u.name, u.key], u.waiting)
+        oldest.add_metric([u.name, u.key], u.oldest_waiting_age or 0.0)
+    yield from (in_use, limit, waiting, oldest)
 
 
 def _prometheus() -> Any:
@@ -239,6 +276,7 @@ class LeaseCollector:
         guess.add_metric([], 1 if estimated else 0)
         yield guess
         yield from _task_families(core, task_health(store, self.window))
+        yield from _slot_families(core, store.slot_usage())
 
         expired = core.GaugeMetricFamily(
             "celery_lease_expired_unreaped",

@@ -25,7 +25,7 @@ from .producer import publisher as _publisher
 from .reaper import Reaper, ReapReport
 from .records import StepRecord, TaskRecord, TransitionRecord, WorkerRecord
 from .states import CANCELLABLE, RETRYABLE, State, parse_state
-from .store import Held, Store
+from .store import Held, SlotUsage, Store, Waiting
 from .worker.pool.execution import encode
 
 #: States ``purge`` deletes by default: finished work nobody will act on.
@@ -71,6 +71,8 @@ class Stats:
     purged: int = 0
     republished: int = 0
     duplicates_dropped: int = 0
+    #: Per limited task and concurrency key: its limit, slots in use, rows waiting.
+    slots: tuple[SlotUsage, ...] = ()
 
     @property
     def zombies(self) -> int:
@@ -95,7 +97,22 @@ class Stats:
             "republished": self.republished,
             "duplicates_dropped": self.duplicates_dropped,
             "tasks": [t.as_dict() for t in self.tasks],
+            "slots": [slot_dict(u) for u in self.slots],
         }
+
+
+def slot_dict(usage: SlotUsage) -> dict[str, Any]:
+    """One limited task and key as JSON (``lease stats --json``)."""
+    return {
+        "task": usage.name,
+        "key": usage.key,
+        "limit": usage.limit,
+        "in_use": usage.running + usage.granted,
+        "running": usage.running,
+        "granted": usage.granted,
+        "waiting": usage.waiting,
+        "oldest_waiting_age": usage.oldest_waiting_age,
+    }
 
 
 class _DeprecatedName:
@@ -185,6 +202,18 @@ class Admin(PauseOps, BulkOps):
             raise ValueError("limit must be at least 1")
         return self.store.held(name=name, limit=limit)
 
+    def waiting(self, name: str | None = None, limit: int = 100) -> builtins.list[Waiting]:
+        """The tasks waiting for a concurrency slot, oldest first per task and key,
+        optionally of one task name: each is published when a slot frees."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        return self.store.waiting_rows(name=name, limit=limit)
+
+    def slots(self, name: str | None = None) -> builtins.list[SlotUsage]:
+        """Per limited task and concurrency key: its limit (as its last claim gave it),
+        slots in use, rows waiting and the age of the oldest."""
+        return self.store.slot_usage(name=name)
+
     #: Deprecated first name of :meth:`tasks` (it shadows the builtin inside the class).
     list = _DeprecatedName("list", "tasks")
 
@@ -222,6 +251,7 @@ class Admin(PauseOps, BulkOps):
             purged=counters["purged"],
             republished=counters["republished"],
             duplicates_dropped=counters["duplicates_dropped"],
+            slots=tuple(store.slot_usage()),
         )
 
     # -- acting -----------------------------------------------------------------------

@@ -30,6 +30,11 @@ from ._render import TASK_HEADERS, Table, _paint_state, _print_json, ago, rate, 
     is_flag=True,
     help="Only the tasks held in the store until their ETA (lease_hold_eta_after), soonest first.",
 )
+@click.option(
+    "--waiting",
+    is_flag=True,
+    help="Only the tasks waiting for a concurrency slot, oldest first per task and key.",
+)
 @json_option
 @click.pass_context
 @handle_errors
@@ -42,10 +47,20 @@ def list_(
     limit: int,
     ids_only: bool,
     scheduled: bool,
+    waiting: bool,
     as_json: bool,
 ) -> None:
-    """List tasks, newest first (with --scheduled: the held ones, soonest ETA first)."""
+    """List tasks, newest first (with --scheduled: the held ones, soonest ETA first;
+    with --waiting: those waiting for a concurrency slot, oldest first)."""
     api = _admin(ctx)
+    if waiting:
+        if scheduled or state is not None or older_than is not None or worker is not None:
+            raise click.UsageError(
+                "--waiting lists PENDING tasks waiting for a concurrency slot: it takes "
+                "--name and --limit, not --scheduled, --state, --older-than or --worker"
+            )
+        _list_waiting(ctx, api, name, limit, ids_only, as_json)
+        return
     if scheduled:
         if state is not None or older_than is not None or worker is not None:
             raise click.UsageError(
@@ -262,6 +277,30 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
             click.echo(f"          {a['command']}")
 
 
+def _list_waiting(
+    ctx: click.Context, api: Any, name: str | None, limit: int, ids_only: bool, as_json: bool
+) -> None:
+    """``lease list --waiting``: the rows waiting for a slot, each with its key."""
+    rows = api.waiting(name=name, limit=limit)
+    if as_json:
+        _print_json([dataclasses.asdict(r) for r in rows])
+        return
+    if ids_only:
+        for r in rows:
+            click.echo(r.id)
+        return
+    if not rows:
+        click.echo("No tasks waiting for a concurrency slot.", err=True)
+        return
+    now = api.store.now()
+    table = Table(["ID", "NAME", "KEY", "SUBMITTED", "REASON"], {})
+    for r in rows:
+        table.add(r.id, r.name, r.key or "(global)", ago(r.created_at, now), r.reason)
+    table.render(_color(ctx))
+    more = " (limit reached: --limit to see more)" if len(rows) == limit else ""
+    click.echo(f"{len(rows)} waiting task{'s' if len(rows) != 1 else ''}{more}", err=True)
+
+
 @lease.command()
 @click.option(
     "--window",
@@ -311,6 +350,19 @@ def stats(ctx: click.Context, window: float, as_json: bool) -> None:
         for row in task_rows(snapshot.tasks):
             per_task.add(*row)
         per_task.render(color)
+    if snapshot.slots:
+        click.echo("")
+        limits = Table(["LIMITED TASK", "KEY", "LIMIT", "IN USE", "WAITING", "OLDEST WAITING"], {})
+        for u in snapshot.slots:
+            limits.add(
+                u.name,
+                u.key or "(global)",
+                u.limit,
+                u.running + u.granted,
+                u.waiting,
+                span(u.oldest_waiting_age),
+            )
+        limits.render(color)
 
 
 @lease.command()

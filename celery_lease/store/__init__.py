@@ -102,6 +102,7 @@ from ._types import (
     TransitionEvent,
     Unique,
     UniqueAnswer,
+    Waiting,
 )
 from ._unique import REPLACED_ARGUMENTS, UniqueSubmission
 from .migrations import SchemaSetup
@@ -481,6 +482,7 @@ __all__ = [
     "TransitionEvent",
     "Unique",
     "UniqueAnswer",
+    "Waiting",
     "bounded_connection",
     "build",
     "dumps",

@@ -48,7 +48,7 @@ from sqlalchemy.sql.dml import Insert
 
 from ..states import State
 from ._base import StoreBase, state_is
-from ._types import Publishable, Slot, SlotUsage
+from ._types import Publishable, Slot, SlotUsage, Waiting
 from .schema import db_now, seconds_between
 
 #: ``tasks.slot`` of a PENDING row whose delivery found no slot: acked, not in the broker.
@@ -252,9 +252,9 @@ class Slots(StoreBase):
             )
         return out
 
-    def waiting_rows(self, *, name: str | None = None, limit: int = 100) -> list[Any]:
-        """The rows waiting for a slot, oldest first per task and key: (id, name, key,
-        created_at, reason) (``lease list --waiting``)."""
+    def waiting_rows(self, *, name: str | None = None, limit: int = 100) -> list[Waiting]:
+        """The rows waiting for a slot, oldest first per task and key (``lease list
+        --waiting``)."""
         t = self.t.tasks
         q = select(t.c.id, t.c.name, t.c.slot_key, t.c.created_at, t.c.reason).where(
             *_queued(t, WAITING)
@@ -262,7 +262,10 @@ class Slots(StoreBase):
         if name is not None:
             q = q.where(t.c.name == name)
         q = q.order_by(t.c.name, t.c.slot_key, t.c.created_at, t.c.id).limit(limit)
-        return list(self._read(lambda conn: conn.execute(q).all()))
+        rows = self._read(lambda conn: conn.execute(q).all())
+        return [
+            Waiting(str(r.id), str(r.name), str(r.slot_key), r.created_at, r.reason) for r in rows
+        ]
 
 
 __all__ = ["GRANTED", "WAITING", "Slots", "holders", "waiting_reason"]

@@ -85,6 +85,17 @@ class SlotUsage:
 
 
 @dataclasses.dataclass(frozen=True)
+class Waiting:
+    """A PENDING row waiting for a concurrency slot (``lease list --waiting``)."""
+
+    id: str
+    name: str
+    key: str
+    created_at: datetime
+    reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class NewTask:
     """A row to insert when a task is submitted (JSON columns already encoded)."""
 

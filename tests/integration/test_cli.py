@@ -509,3 +509,67 @@ def test_parse_duration(text: str, seconds: float) -> None:
 def test_parse_duration_rejects_garbage() -> None:
     with pytest.raises(ValueError, match="not a duration"):
         parse_duration("soon")
+
+
+def test_list_waiting_stats_and_metrics_show_the_slots_of_limited_tasks(ops: Ops) -> None:
+    import uuid
+
+    from celery_lease import metrics as lease_metrics
+    from celery_lease.store import Claim, Slot
+
+    owner = uuid.uuid4().hex
+    ops.store.register_worker(owner, "w@host", "host", os.getpid())
+    first, second, third = (ops.submit() for _ in range(3))
+    slot = Slot("ops.add", "tenant=1", 1)
+    assert isinstance(ops.store.claim(first, owner, "w", slot=slot), Claim)
+    for task_id in (second, third):
+        assert not isinstance(ops.store.claim(task_id, owner, "w", slot=slot), Claim)
+
+    table = run(ops, "list", "--waiting")
+    assert table.exit_code == 0, table.output
+    header, *rows = table.stdout.splitlines()
+    assert header.split() == ["ID", "NAME", "KEY", "SUBMITTED", "REASON"]
+    assert [r.split()[0] for r in rows] == [second, third]
+    assert "tenant=1" in rows[0] and "waiting for a slot of ops.add[tenant=1]" in rows[0]
+    assert table.stderr.strip() == "2 waiting tasks"
+    as_json = json.loads(run(ops, "list", "--waiting", "--json").stdout)
+    assert [(t["id"], t["key"]) for t in as_json] == [(second, "tenant=1"), (third, "tenant=1")]
+    refused = run(ops, "list", "--waiting", "--state", "PENDING")
+    assert refused.exit_code == 2 and "--waiting" in refused.stderr
+
+    stats = run(ops, "stats")
+    assert stats.exit_code == 0, stats.output
+    out = stats.stdout.splitlines()
+    limits = next(i for i, x in enumerate(out) if x.startswith("LIMITED TASK"))
+    assert out[limits].split() == [
+        "LIMITED",
+        "TASK",
+        "KEY",
+        "LIMIT",
+        "IN",
+        "USE",
+        "WAITING",
+        "OLDEST",
+        "WAITING",
+    ]
+    line = out[limits + 1]
+    assert line.split()[:5] == ["ops.add", "tenant=1", "1", "1", "2"]
+    (slots,) = json.loads(run(ops, "stats", "--json").stdout)["slots"]
+    assert {k: slots[k] for k in ("task", "key", "limit", "in_use", "waiting")} == {
+        "task": "ops.add",
+        "key": "tenant=1",
+        "limit": 1,
+        "in_use": 1,
+        "waiting": 2,
+    }
+    assert slots["oldest_waiting_age"] >= 0
+
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in lease_metrics.LeaseCollector(ops.app, store=ops.store).collect()
+        for s in family.samples
+    }
+    labels = (("key", "tenant=1"), ("task", "ops.add"))
+    assert samples[("celery_lease_concurrency_slots_in_use", labels)] == 1
+    assert samples[("celery_lease_concurrency_limit", labels)] == 1
+    assert samples[("celery_lease_concurrency_waiting", labels)] == 2
