@@ -11,6 +11,7 @@ import getpass
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -21,7 +22,6 @@ from ._broker import bound_sockets
 from ._incarnation import Incarnation, SharedFlags
 from .notify import attach
 from .pause import PauseCache
-from .producer.slots import attach as attach_slots
 from .store import Store
 
 #: The worker bootstep celery-lease adds (by path: the worker module sits above this one).
@@ -50,6 +50,8 @@ class Runtime:
         self._store_pid = 0
         self._lock = threading.Lock()
         self._pauses: PauseCache | None = None
+        #: Called with each store this process makes (the layers above add theirs).
+        self._store_hooks: list[Callable[[Celery, Store], None]] = []
 
     @property
     def app(self) -> Celery:
@@ -82,12 +84,24 @@ class Runtime:
                     created.ensure_schema()
                     # logs, result backend and Flower events for every transition it commits
                     attach(self.app, created)
-                    # the slots its commits free go to waiting rows, published at once
-                    attach_slots(self.app, created)
+                    for hook in self._store_hooks:
+                        hook(self.app, created)
                     self._store = created
                     self._store_pid = os.getpid()
                 store = self._store
         return store
+
+    def add_store_hook(self, hook: Callable[[Celery, Store], None]) -> None:
+        """Call ``hook(app, store)`` with this process's store, made now or later (once
+        per hook): how a layer above this one (the concurrency slots' grants) attaches
+        to the store without this module importing it."""
+        with self._lock:
+            if hook in self._store_hooks:
+                return
+            self._store_hooks.append(hook)
+            store = self._store
+        if store is not None:
+            hook(self.app, store)
 
     def shortest_ttl(self) -> float:
         """The worker's self-fence limit: the shortest lease TTL among the default and

@@ -119,6 +119,8 @@ class LeasedTask(Task[Any, Any]):
         )
         cls._concurrency = _slots.check(cls)
         rt = install(app)
+        # the slots a commit of this process frees go to waiting rows, published at once
+        rt.add_store_hook(_slots.attach)
         _group_batches.install(LeasedTask)
         if cls.name is not None:
             rt.leased.add(cls.name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,8 +27,6 @@ from ..exceptions import ConfigurationError, InvalidSubmissionType, InvalidSubmi
 from ..store import Slot, Store
 from . import publisher as _publisher
 from .limits import MAX_KEY_CHARS, check_key
-
-logger = logging.getLogger("celery_lease")
 
 #: A concurrency key: an argument's name, or a callable of (args, kwargs).
 KeySpec = str | Callable[[tuple[Any, ...], dict[str, Any]], str] | None
@@ -180,10 +178,17 @@ def attach(app: Celery, store: Store) -> None:
     them, from the process that committed (the worker whose outcome freed a slot, the
     reaper whose expiry did), at once."""
 
+    # weakly: the store belongs to the app's runtime, which must not keep the app alive
+    app_ref = weakref.ref(app)
+    store_ref = weakref.ref(store)
+
     def freed(pairs: Sequence[tuple[str, str]]) -> None:
-        rows = store.grant(pairs)
+        owner, granting = app_ref(), store_ref()
+        if owner is None or granting is None:
+            return  # gone: the reaper's sweep grants the slots
+        rows = granting.grant(pairs)
         if rows:
-            _publisher.publish(app, store, rows)
+            _publisher.publish(owner, granting, rows)
 
     store.on_slots_freed = freed
 
