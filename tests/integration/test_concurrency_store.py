@@ -278,3 +278,25 @@ def test_outcomes_and_retries_written_in_batches_free_their_slots(store):
     )
     assert retried == [True, True]
     assert sorted(freed.pairs) == [(NAME, "k=1"), (NAME, "k=2"), (NAME, "k=3")]
+
+
+def test_a_task_without_a_limit_pays_no_statement_for_limits(store):
+    from sqlalchemy import event
+
+    owner = register(store)
+    (task_id,) = submit(store)
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        got = store.claim(task_id, owner, "w")
+        assert isinstance(got, Claim)
+        assert store.finish(got.lease, S.SUCCEEDED, actor="task", reason="done")
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    assert not any("concurrency" in s for s in seen)
+    if store.is_pg:
+        assert len(seen) == 2  # the claim and the outcome: one statement each, as before
