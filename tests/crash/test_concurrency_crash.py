@@ -1,13 +1,19 @@
-"""Crash-point matrix row 27: a worker SIGKILLed while its task holds a concurrency
-slot. The slot is freed only by the reaper's decision (the lease's expiry, once the dead
-owner's heartbeat is a TTL old), never by a guess; the row waiting for it starts after
-that decision, and the limit is never exceeded, as the audit trail shows.
+"""Crash-point matrix rows 27 and 28, for a task with a concurrency limit.
+
+- Row 27: a worker SIGKILLed while its task holds a slot. The slot is freed only by the
+  reaper's decision (the lease's expiry, once the dead owner's heartbeat is a TTL old),
+  never by a guess; the row waiting for it starts after that decision, and the limit is
+  never exceeded, as the audit trail shows.
+- Row 28: a worker frozen (SIGSTOP) while its task holds the slot, thawed after the
+  slot went to the task's next attempt: its late outcome is fenced off and frees
+  nothing, so a row waiting for the slot still waits until the attempt holding it ends.
 """
 
 from __future__ import annotations
 
 import itertools
 import signal
+from typing import Any
 
 import pytest
 
@@ -24,8 +30,36 @@ SOURCE = (
 def limited(self, key, gate=None):
     """``work`` with one slot across the cluster."""
     return body(self, key, gate)
+
+
+@app.task(base=LeasedTask, bind=True, shared=False, name="t.limited_twice", concurrency_limit=1)
+def limited_twice(self, key, first_gate=None, later_gate=None):
+    """One slot; the first attempt waits at ``first_gate``, later ones at ``later_gate``."""
+    node = self.request.hostname
+    external.call(f"start:{key}", payload=node)
+    hold(first_gate if external.count(f"start:{key}") == 1 else later_gate)
+    external.call(f"done:{key}", payload=node)
+    return {"key": key, "node": node}
 '''
 )
+
+
+def running_spans(p: Any, task_ids: list[str]) -> list[tuple[Any, Any]]:
+    """The RUNNING spans of these tasks in their audit trails, in order."""
+    spans = []
+    for task_id in task_ids:
+        began = None
+        for r in p.store.history(task_id):
+            if r.to_state is State.RUNNING:
+                began = r.at
+            elif r.from_state is State.RUNNING and began is not None:
+                spans.append((began, r.at))
+                began = None
+    return sorted(spans)
+
+
+def never_overlap(spans: list[tuple[Any, Any]]) -> bool:
+    return all(earlier[1] <= later[0] for earlier, later in itertools.pairwise(spans))
 
 
 @pytest.mark.parametrize(
@@ -66,19 +100,61 @@ def test_a_killed_slot_holder_frees_its_slot_only_by_the_reapers_decision(
     (started,) = [r for r in trails[waiter] if r.to_state is State.RUNNING]
     assert started.at >= expiry.at
     # the slot was never held twice: RUNNING spans of the limited task never overlap
-    spans = []
-    for trail in trails.values():
-        began = None
-        for r in trail:
-            if r.to_state is State.RUNNING:
-                began = r.at
-            elif r.from_state is State.RUNNING and began is not None:
-                spans.append((began, r.at))
-                began = None
-    spans.sort()
-    assert all(earlier[1] <= later[0] for earlier, later in itertools.pairwise(spans))
+    assert never_overlap(running_spans(p, [holder, waiter]))
     assert p.get(holder).attempt == 2 and p.get(waiter).attempt == 1
     assert lease_env.external.count("done:one") == 1
     assert lease_env.external.count("done:two") == 1
     (usage,) = p.store.slot_usage()
     assert (usage.running, usage.granted, usage.waiting) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "backend"),
+    # as row 11: PostgreSQL (a process frozen inside a SQLite write transaction would
+    # block every writer) and Redis (a frozen consumer pulls nothing)
+    [pytest.param("redis", "postgresql", id="redis-postgresql", marks=pytest.mark.postgres)],
+    indirect=True,
+)
+def test_a_frozen_slot_holders_late_outcome_frees_nothing(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    p = lease_env.project(broker_url=broker_url, source=SOURCE)  # lease_ttl 1 s
+    frozen = p.worker("frozen", concurrency=2)
+    first, later = p.gates.hold("first"), p.gates.hold("later")
+    with released(p.gates, first, later):
+        holder = p.submit("t.limited_twice", "one", first, later)
+        p.wait_count("start:one", 1)
+        frozen.kill_group(signal.SIGSTOP)
+        other = p.worker("other", concurrency=2)
+        # the other worker's reaper expires the frozen lease after the TTL, and the
+        # task's next attempt takes the slot there (it waits at the later gate)
+        p.wait_count("start:one", 2, timeout=30)
+        waiter = p.submit("t.limited_twice", "two")
+        wait_until(
+            lambda: (p.get(waiter).reason or "").startswith("waiting for a slot"),
+            message="the second task waits for the slot",
+        )
+        p.gates.release(first)
+        frozen.kill_group(signal.SIGCONT)
+        frozen.wait_log(rf"{holder}\] attempt 1: outcome SUCCEEDED rejected", timeout=20)
+        # the late outcome freed nothing: the slot is still the second attempt's
+        (usage,) = p.store.slot_usage()
+        assert (usage.running, usage.waiting) == (1, 1)
+        rec = p.get(waiter)
+        assert rec.state is State.PENDING and rec.attempt == 0
+        p.gates.release(later)
+        for task_id in (holder, waiter):
+            p.wait_state(task_id, State.SUCCEEDED, timeout=30)
+
+    rec = p.get(holder)
+    assert rec.attempt == 2 and rec.owner == p.incarnation(other)
+    outcomes = [r for r in p.store.history(holder) if r.from_state is State.RUNNING]
+    assert [(r.to_state, r.attempt) for r in outcomes] == [
+        (State.TIMEOUT, 1),
+        (State.SUCCEEDED, 2),
+    ]
+    assert never_overlap(running_spans(p, [holder, waiter]))
+    (started,) = [r for r in p.store.history(waiter) if r.to_state is State.RUNNING]
+    assert started.at >= outcomes[1].at  # after the attempt holding the slot ended
+    assert lease_env.external.count("done:two") == 1
+    assert frozen.is_alive()
