@@ -300,3 +300,44 @@ def test_a_task_without_a_limit_pays_no_statement_for_limits(store):
     assert not any("concurrency" in s for s in seen)
     if store.is_pg:
         assert len(seen) == 2  # the claim and the outcome: one statement each, as before
+
+
+def claim_in_process(config: Any, task_id: str, owner: str, barrier: Any, results: Any) -> None:
+    """Child process: claim ``task_id`` under one slot once every child is ready."""
+    store = Store(config)
+    try:
+        store.ping()
+        barrier.wait(60)
+        got = store.claim(task_id, owner, "w", slot=Slot(NAME, "t", 2))
+        results.put((task_id, "claimed" if isinstance(got, Claim) else f"waiting={got.waiting}"))
+    except BaseException as exc:
+        results.put((task_id, f"error {exc!r}"))
+        raise
+    finally:
+        store.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_eight_processes_claiming_at_once_take_exactly_the_limit(store: Store) -> None:
+    import multiprocessing
+
+    owner = register(store)
+    ids = submit(store, 8)
+    # forked, so they start in milliseconds: each child makes a store and connections of
+    # its own, never touches the parent's, and ends with os._exit (multiprocessing's)
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(len(ids)), ctx.Queue()
+    procs = [
+        ctx.Process(target=claim_in_process, args=(store.config, i, owner, barrier, results))
+        for i in ids
+    ]
+    for proc in procs:
+        proc.start()
+    answers = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    results.close()
+    results.join_thread()
+    assert all(proc.exitcode == 0 for proc in procs), answers
+    assert sorted(answers.values()) == ["claimed"] * 2 + ["waiting=True"] * 6
+    assert running_under(store, "t") == 2
