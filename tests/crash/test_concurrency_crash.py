@@ -36,8 +36,11 @@ def limited(self, key, gate=None):
 def limited_twice(self, key, first_gate=None, later_gate=None):
     """One slot; the first attempt waits at ``first_gate``, later ones at ``later_gate``."""
     node = self.request.hostname
+    # decided before the start is counted: the test freezes the worker once it sees
+    # the count, which may be before this line would run after it
+    first = external.count(f"start:{key}") == 0
     external.call(f"start:{key}", payload=node)
-    hold(first_gate if external.count(f"start:{key}") == 1 else later_gate)
+    hold(first_gate if first else later_gate)
     external.call(f"done:{key}", payload=node)
     return {"key": key, "node": node}
 '''
@@ -71,7 +74,10 @@ def test_a_killed_slot_holder_frees_its_slot_only_by_the_reapers_decision(
     lease_env: LeaseEnv, broker_url: str
 ) -> None:
     p = lease_env.project(broker_url=broker_url, source=SOURCE)  # lease_ttl 1 s
-    workers = {w.nodename: w for w in (p.worker("a", concurrency=2), p.worker("b", concurrency=2))}
+    started = [p.worker(name, concurrency=2, ready=False) for name in ("a", "b")]
+    for worker in started:  # started together, waited for together
+        worker.wait_ready(timeout=60, store=p.store)
+    workers = {w.nodename: w for w in started}
     gate = p.gates.hold("gate")
     with released(p.gates, gate):
         holder = p.submit("t.limited", "one", gate)

@@ -108,8 +108,9 @@ def test_limits_hold_across_workers_and_each_free_starts_a_waiting_row(
         ttl=10.0,
     )
     reports = [p.submit("c.report", i, 0.3) for i in range(8)]
-    p.worker("w1", concurrency=2)
-    p.worker("w2", concurrency=2)
+    workers = [p.worker(name, concurrency=2, ready=False) for name in ("w1", "w2")]
+    for worker in workers:  # started together, waited for together
+        worker.wait_ready(timeout=60, store=p.store)
     for task_id in reports:
         record = p.wait_state(task_id, S.SUCCEEDED, timeout=60)
         assert record.attempt == 1  # a waiting row is not re-claimed: it waited, then ran
