@@ -160,9 +160,9 @@ class _Delivery:
 
     def _slot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Slot | None:
         """The concurrency slot this delivery's claim must take (``None``: no limit).
-        A key that cannot be made from a delivery (a message sent by name, never
-        checked at submission) counts under the task's whole limit: stricter, not
-        looser."""
+        A delivery whose key cannot be made (a message sent by name, never checked at
+        submission) counts under the key ``""``, which every such delivery shares: the
+        limit still holds for them, together."""
         limit = _slots.limit_of(self.task)
         if limit is None:
             return None
@@ -170,7 +170,7 @@ class _Delivery:
             return limit.slot_of(args, kwargs)
         except (TypeError, ValueError) as error:
             logger.error(
-                "task %s[%s]: %s; counted under the task's global limit",
+                "task %s[%s]: %s; counted under the key '' that all such deliveries share",
                 self.task.name,
                 self.task_id,
                 error,
