@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from celery_lease.states import State
 from celery_lease.store import Claim, NewTask, Outcome, Refusal, Slot, Store
+from celery_lease.store.schema import after
 
 S = State
 NAME = "tests.report"
@@ -40,12 +41,22 @@ def new_task(**overrides: Any) -> NewTask:
 
 
 def submit(store: Store, n: int = 1) -> list[str]:
+    """``n`` rows, submitted in this order a second apart by database time (rows made
+    within one millisecond on SQLite would otherwise tie, and ties go by id)."""
     ids = []
     for _ in range(n):
         task_id, created = store.submit(new_task())
         assert created
         ids.append(task_id)
     store.mark_published(ids)
+    t = store.t.tasks
+    with store.engine.begin() as conn:
+        for i, task_id in enumerate(ids):
+            conn.execute(
+                update(t)
+                .where(t.c.id == task_id)
+                .values(created_at=after(t.c.created_at, float(i - n)))
+            )
     return ids
 
 
