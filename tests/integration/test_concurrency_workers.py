@@ -170,6 +170,7 @@ def test_bad_options_fail_at_decoration(options: dict[str, Any], match: str) -> 
         app.finalize()
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # checked before any write
 def test_bad_keys_fail_at_submission_and_write_nothing(lease_env: LeaseEnv) -> None:
     p = lease_env.project(source=SOURCE, env={"CONC_LOG": "/dev/null"})
     app = p.module.app
