@@ -21,6 +21,7 @@ from sqlalchemy import (
     and_,
     delete,
     false,
+    literal_column,
     not_,
     or_,
     select,
@@ -208,6 +209,26 @@ class Sweeps(StoreBase):
             )
         )
         return expiries[0] if expiries else None
+
+    def owned_past_ttl(self, worker_id: str, *, limit: int = 10_000) -> list[tuple[str, int]]:
+        """The RUNNING rows ``worker_id`` owns, claimed longer ago than their own lease
+        TTL (``started_at``, database time), as ``(task id, attempt)``: what the worker
+        compares with the tasks it has in hand (its reconciliation). One statement, read
+        through the partial index of RUNNING rows by owner (the state is written as a
+        literal, so that a generic plan of a prepared statement still matches the
+        index's condition)."""
+        t = self.t.tasks
+        q = (
+            select(t.c.id, t.c.attempt)
+            .where(
+                t.c.state == literal_column(f"'{State.RUNNING.value}'"),
+                t.c.owner == worker_id,
+                after(t.c.started_at, t.c.lease_ttl) < db_now(),
+            )
+            .limit(limit)
+        )
+        rows = self._read(lambda conn: conn.execute(q).all())
+        return [(str(r.id), int(r.attempt)) for r in rows]
 
     def overrun(self, *, actor: str, limit: int | None = None) -> list[str]:
         """RUNNING rows with a live lease but no progress for ``max_runtime`` -> WAIT_MANUAL.
