@@ -63,12 +63,14 @@ import contextlib
 import dataclasses
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from celery.worker import state as worker_state
@@ -95,6 +97,8 @@ _IDLE = 0.2
 _GATHER = 0.05
 #: Most deliveries named in one report of what the main process holds.
 _HELD_REPORT_MAX = 4000
+#: Longest the main process waits for the agent's answer to :meth:`LeaseAgent.holds`.
+_HOLDS_WAIT = 1.0
 
 QUEUED, CLAIMED, UNCLAIMED = "queued", "claimed", "unclaimed"
 
@@ -164,6 +168,8 @@ class LeaseAgent:
         self._life = life_r
         self.gone = False
         self._takes: dict[str, bool] = {}
+        #: the questions of :meth:`holds` asked so far (each answer names its own)
+        self._asked = 0
         protocol.use_agent(rt.app, self.address)
         logger.info("celery-lease: worker %s: lease agent started (pid %d)", inc.nodename, pid)
 
@@ -214,13 +220,44 @@ class LeaseAgent:
         if len(ids) <= _HELD_REPORT_MAX:
             self._send("S", repr(at), "\x1e".join(ids))
 
+    def holds(self, task_ids: Sequence[str]) -> set[str] | None:
+        """Which of ``task_ids`` the agent holds a claim of: made ahead and not handed
+        over to a pool process, or being given back (the service thread, for the
+        worker's reconciliation, only when some row it owns is not in its hand).
+        ``None``: no answer within ``_HOLDS_WAIT`` (the agent is in a statement) or
+        the agent is gone: unknown."""
+        if self.gone:
+            return None
+        self._asked += 1
+        seq = str(self._asked)
+        try:
+            self._sock.send("\x1f".join(("H", seq, "\x1e".join(task_ids))).encode())
+        except OSError:
+            return None
+        deadline = time.monotonic() + _HOLDS_WAIT
+        while (left := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([self._sock], [], [], left)
+            if not readable:
+                break
+            try:
+                data = self._sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return None
+            if not data:
+                return None
+            fields = data.decode().split("\x1f")
+            if len(fields) == 3 and fields[0] == "h" and fields[1] == seq:
+                return set(fields[2].split("\x1e")) if fields[2] else set()
+            # the answer to an earlier question, read late: dropped
+        return None
+
     def check(self) -> bool:
         """Whether the agent is still there (the service thread, once a second). Gone,
         the worker stops as a warm shutdown does (see the module's text)."""
         if self.gone:
             return False
-        import select
-
         readable, _, _ = select.select([self._life], [], [], 0)
         if not readable:
             return True
@@ -406,8 +443,19 @@ class _Agent:
                 self._back(entry, fields[2], cancel=True)
         elif kind == "S":
             self._held(float(fields[1]), set(fields[2].split("\x1e")) if fields[2] else set())
+        elif kind == "H":
+            holding = self._holding(fields[2].split("\x1e") if fields[2] else [])
+            with contextlib.suppress(OSError):  # gone, or not reading: it stops waiting
+                self.main.send("\x1f".join(("h", fields[1], "\x1e".join(holding))).encode())
         elif kind == "Q":
             self.stopping = True
+
+    def _holding(self, task_ids: list[str]) -> list[str]:
+        """Those of ``task_ids`` whose claim the agent holds: made ahead and not handed
+        over, or to be given back."""
+        mine = {e.task_id for e in self.entries.values() if e.claim is not None}
+        mine.update(claim.lease.task_id for claim, _, _ in self.give_back)
+        return [task_id for task_id in task_ids if task_id in mine]
 
     def _abandon(self, task_id: str, why: str) -> None:
         self.asks = [a for a in self.asks if a[1] != task_id]

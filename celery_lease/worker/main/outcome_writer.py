@@ -241,6 +241,18 @@ class OutcomeWriter:
                 return
             self._write_batch()
 
+    def in_hand(self) -> set[str] | None:
+        """The tasks whose outcomes this writer holds and has not written yet (the batch
+        being written among them: it leaves the buffer once committed), after reading
+        everything the children sent so far; ``None`` when the buffer is full (the
+        channel may hold more than it can take: unknown). For the worker's
+        reconciliation (:mod:`.reconcile`)."""
+        with self._lock:
+            self._drain()
+            if len(self._buffer) >= self.capacity:
+                return None
+            return {b.outcome.lease.task_id for b in self._buffer}
+
     def buffered(self) -> int:
         """Outcomes read from the children and not written yet."""
         with self._lock:
