@@ -4,9 +4,10 @@ The main process owns the incarnation row and renews it (the heartbeat's thread)
 the lease agent that claims (:mod:`.agent`), writes the outcomes pool processes hand
 over (the outcome writer's thread), and runs the service's thread: the events the
 worker's own threads send it (a pool child lost, a delivery revoked), a backstop for
-pool children whose death the pool never reported, and the embedded reaper (behind a
-database lock). Started by the bootstep (:mod:`.bootstep`), with retries while the
-database cannot be reached yet.
+pool children whose death the pool never reported, the reconciliation of the rows it
+owns with the tasks it has in hand (:mod:`.reconcile`: a lost outcome), and the
+embedded reaper (behind a database lock). Started by the bootstep (:mod:`.bootstep`),
+with retries while the database cannot be reached yet.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .agent import LeaseAgent
 from .heartbeat import Heartbeat, renewal_config
 from .node_names import dead_predecessors, pid_gone
 from .outcome_writer import OutcomeWriter, writer_config
+from .reconcile import ROUND_EVERY, Reconciler
 
 logger = logging.getLogger("celery_lease.worker")
 
@@ -90,6 +92,8 @@ class WorkerService:
             else OutcomeWriter(rt.app, store, inc.actor, **writer_config(cfg))
         )
         self.reaper = Reaper(rt.app, actor=f"reaper:{nodename}", store=store)
+        #: The rows this worker owns against the tasks it has in hand (:mod:`.reconcile`).
+        self.reconciler = Reconciler(store, inc)
         #: The lease agent (claims in batches), forked by the bootstep before the pool.
         self.agent: LeaseAgent | None = None
         self._events: queue.Queue[Event] = queue.Queue()
@@ -264,10 +268,12 @@ class WorkerService:
         lock_ttl = max(cfg.reaper_interval * 3, 1.0)
         watch_interval = min(cfg.reaper_interval, 1.0)
         next_watch = time.monotonic() + watch_interval
+        reconcile_interval = cfg.heartbeat_interval * ROUND_EVERY
+        next_reconcile = time.monotonic() + reconcile_interval
         while not self._stopping.is_set():
             events: list[Event] = []
             try:
-                wake = min(next_sweep, next_watch)
+                wake = min(next_sweep, next_watch, next_reconcile)
                 events.append(self._events.get(timeout=max(0.0, wake - time.monotonic())))
                 while True:
                     events.append(self._events.get_nowait())
@@ -281,6 +287,10 @@ class WorkerService:
                     self._watch_children()
                     if self.agent is not None and self.agent.check():
                         self.agent.report_held()
+                if time.monotonic() >= next_reconcile:
+                    next_reconcile = time.monotonic() + reconcile_interval
+                    if self.reconciler.round(self.outcomes, self.agent):
+                        self.reaper.publish_due()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + cfg.reaper_interval
                     if cfg.embedded_reaper and self.store.try_lock(
