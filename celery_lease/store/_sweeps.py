@@ -225,6 +225,7 @@ class Sweeps(StoreBase):
                 t.c.owner == worker_id,
                 after(t.c.started_at, t.c.lease_ttl) < db_now(),
             )
+            .order_by(t.c.started_at)  # past the limit, the same rows each round
             .limit(limit)
         )
         rows = self._read(lambda conn: conn.execute(q).all())

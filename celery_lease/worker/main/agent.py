@@ -11,6 +11,9 @@ owns the claims:
   send per delivery, nothing else: no thread of the main process wakes up for it),
   each one Celery drops before it runs (revoked, expired) and, once a second, which
   deliveries it still holds;
+- the main process's reconciliation (:mod:`.reconcile`) asks it, only about rows the
+  worker owns and cannot otherwise explain, which of them it holds a claim of (made
+  ahead and not handed over, or being given back): those are its to give back;
 - it claims the deliveries that start next together, in one statement
   (:meth:`~celery_lease.store.Store.claim_many`): one round of them (as many as there
   are pool processes, which take them as the running tasks end) and beyond that as

@@ -13,7 +13,7 @@ by an operator, a bug. So every ``ROUND_EVERY`` heartbeat intervals the service 
    index of RUNNING rows by owner (:meth:`~celery_lease.store.Store.owned_past_ttl`);
 2. then what the worker has in hand, read after the rows: the deliveries Celery holds in
    this process (reserved, accepted, running in a pool process or a thread, scheduled:
-   ``celery.worker.state.requests``), the outcomes its writer has not written yet (what
+   ``celery.worker.state``), the outcomes its writer has not written yet (what
    the children sent is read first), and, only for the rows none of those explains,
    the claims its lease agent made ahead and has not handed over or is giving back.
 
@@ -28,7 +28,7 @@ Why an execution that runs, or whose outcome is on its way, is never given back:
 - every claim follows Celery's reservation of the delivery in this process (the lease
   agent claims ahead only deliveries the main process told it it reserved; a pool
   process claims its own delivery as it starts), and Celery keeps the request in
-  ``requests`` until it is ready; a claim made ahead whose delivery Celery dropped is
+  its state until it is ready; a claim made ahead whose delivery Celery dropped is
   the agent's to give back (it answers for it meanwhile);
 - a prefork pool process hands its outcome to the writer before Celery's main process
   learns the task is ready: read in this order (rows, then requests, then the writer),
@@ -70,19 +70,28 @@ logger = logging.getLogger("celery_lease.worker")
 ROUND_EVERY = 3
 #: Most rows asked about in one round (a worker owns about as many as it runs).
 _MOST = 1000
+#: Tries at reading Celery's requests while the event loop changes them.
+_READS = 3
 
 
 def in_hand(outcomes: OutcomeWriter | None) -> set[str] | None:
     """The task ids this worker's main process has in hand: Celery's requests, then the
     outcomes its writer holds (read in that order: see the module's text). ``None``:
     unknown this round."""
-    try:
-        # copied in one C call each (a dict of str keys): no other thread's change is
-        # half seen
-        hand = set(list(worker_state.requests))
-        hand.update(r.id for r in list(worker_state.active_requests))
-        hand.update(r.id for r in list(worker_state.reserved_requests))
-    except RuntimeError:  # a set of requests changed while it was read
+    hand: set[str] | None = None
+    for _ in range(_READS):
+        try:
+            # ``requests`` is copied in one C call (a dict of str keys). The request sets
+            # are read too: a duplicate delivery of a task that runs here, dropped at
+            # its claim, takes the task's id out of ``requests`` while the first copy
+            # still runs
+            hand = set(list(worker_state.requests))
+            hand.update(r.id for r in list(worker_state.active_requests))
+            hand.update(r.id for r in list(worker_state.reserved_requests))
+            break
+        except RuntimeError:  # a set changed while it was read (the event loop): again
+            hand = None
+    if hand is None:
         return None
     if outcomes is not None:
         buffered = outcomes.in_hand()
