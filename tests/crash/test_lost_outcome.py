@@ -106,21 +106,29 @@ def lose_outcome(p: LeasedProject, task_id: str, gate: str, running: str) -> Rep
 
 
 @pytest.mark.parametrize(
-    ("broker_url", "backend"),
+    ("broker_url", "backend", "pool"),
     [
-        pytest.param("amqp", "postgresql", id="amqp-postgresql", marks=pytest.mark.postgres),
-        pytest.param("redis", "sqlite", id="redis-sqlite"),
+        pytest.param(
+            "amqp",
+            "postgresql",
+            "prefork",
+            id="amqp-postgresql-prefork",
+            marks=pytest.mark.postgres,
+        ),
+        pytest.param("redis", "sqlite", "threads", id="redis-sqlite-threads"),
     ],
-    indirect=True,
+    indirect=["broker_url", "backend"],
 )
 def test_a_lost_outcome_is_given_back_by_its_live_worker(
-    lease_env: LeaseEnv, broker_url: str
+    lease_env: LeaseEnv, broker_url: str, pool: str
 ) -> None:
     """An idempotent task whose outcome was lost runs again once; a task whose
     non-idempotent step was in flight in the state that came back goes to a person; a
-    task held at a gate through every one of those rounds is never touched."""
+    task held at a gate through every one of those rounds is never touched. Prefork
+    (outcomes through the writer, claims ahead by the agent) and threads (outcomes
+    written through by the main process's threads)."""
     p = lease_env.project(broker_url=broker_url, source=SOURCE)
-    worker = p.worker("node", concurrency=3)
+    worker = p.worker("node", pool=pool, concurrency=3)
     incarnation = p.incarnation(worker)
     long_gate, work_gate, charge_gate = (p.gates.hold(g) for g in ("long", "work", "charge"))
     with released(p.gates, long_gate, work_gate, charge_gate):
