@@ -348,7 +348,7 @@ def test_the_submission_benchmark_prints_its_table(pg_url: str, redis_url: str) 
 @pytest.mark.timeout(600)
 def test_the_beat_failover_benchmark_prints_its_figures(pg_url: str, redis_url: str) -> None:
     proc = _run(
-        ["bench_beat_failover.py", "--seconds", "30"],
+        ["bench_beat_failover.py", "--seconds", "20"],
         REPO_ROOT / "benchmarks",
         pg_url,
         redis_url,
@@ -371,7 +371,7 @@ def test_the_beat_failover_benchmark_prints_its_figures(pg_url: str, redis_url: 
     (row,) = figures[1:]
     values = [int(_number(cell)) for cell in row]
     slots, once, twice, covered, _, uncovered, uncovered_ran, never_run, _ = values
-    assert slots >= 20 and covered + uncovered == slots and uncovered_ran <= uncovered
+    assert slots >= 12 and covered + uncovered == slots and uncovered_ran <= uncovered
     # counted by the task itself: whatever the beats went through, no slot ran twice
     # and every slot written ran (how many were missed depends on the machine's load)
     assert twice == 0 and never_run == 0 and once <= slots

@@ -4,7 +4,7 @@
 version with pip (as a new user's machine can; cached), runs the subset of Celery's
 ``t/integration`` tests listed in ``tests/celery_suite/__init__.py`` plain and leased
 (``task_cls="celery_lease:LeasedTask"``), and compares every test's outcome. Here: on
-Redis with both stores and on RabbitMQ (Redis result backend) with SQLite. The whole
+Redis with SQLite and on RabbitMQ (Redis result backend) with PostgreSQL. The whole
 suite is the script's job; its figures are in docs/what-stays-the-same.md.
 """
 
@@ -49,15 +49,15 @@ def _run(tmp_path: Path, name: str, *args: str) -> dict[str, object]:
 
 
 @pytest.mark.postgres
-@pytest.mark.timeout(1200)  # five pytest runs of Celery's suite, each with its own worker
+@pytest.mark.timeout(1200)  # four pytest runs of Celery's suite, each with its own worker
 def test_the_ci_subset_of_celerys_suite_has_the_same_outcomes_leased(
     tmp_path: Path, redis_url: str, amqp_url: str, pg_url: str
 ) -> None:
     services = ["--redis-url", redis_url, "--amqp-url", amqp_url, "--pg-url", pg_url]
-    on_redis = _run(
-        tmp_path, "redis", "--broker", "redis", "--store", "sqlite,postgresql", *services
-    )
-    on_amqp = _run(tmp_path, "amqp", "--broker", "amqp", "--store", "sqlite", *services)
+    # each broker with one store, each store with one broker: four runs (the whole
+    # suite, every pairing, is the script's job)
+    on_redis = _run(tmp_path, "redis", "--broker", "redis", "--store", "sqlite", *services)
+    on_amqp = _run(tmp_path, "amqp", "--broker", "amqp", "--store", "postgresql", *services)
     for summary in (on_redis, on_amqp):
         assert summary["regressions"] == []
         runs = summary["runs"]
