@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import (
     CTE,
@@ -191,8 +191,16 @@ class StoreBase:
 
     # -- plumbing ---------------------------------------------------------------------
 
-    def _tx(self, fn: Callable[[Connection, bool], T], *, single: bool = False) -> T:
-        """Run ``fn(conn, is_retry)`` in one transaction, retrying transient errors.
+    def _tx(
+        self,
+        fn: Callable[[Connection, bool], T],
+        *,
+        single: bool = False,
+        timeout: float | Literal["db_timeout"] | None = "db_timeout",
+    ) -> T:
+        """Run ``fn(conn, is_retry)`` in one transaction, retrying transient errors,
+        all within ``timeout`` seconds (by default ``lease_db_timeout``; ``None``: no
+        deadline, for a migration).
 
         ``single=True`` promises that ``fn`` executes exactly one statement: on
         PostgreSQL it then runs in autocommit (the statement is its own transaction).
@@ -221,7 +229,10 @@ class StoreBase:
             return result
 
         result = retrying(
-            attempt, retries=self.config.db_retries, url=self.url, timeout=self.config.db_timeout
+            attempt,
+            retries=self.config.db_retries,
+            url=self.url,
+            timeout=self.config.db_timeout if timeout == "db_timeout" else timeout,
         )
         if committed_frees:
             self._slots_freed(sorted(committed_frees))

@@ -252,6 +252,14 @@ def migrate(conn: Connection, tables: Tables) -> tuple[int | None, int]:
     """Apply every missing step inside the caller's transaction; return (before, after)."""
     schema = tables.version.schema
     if conn.dialect.name == "postgresql":
+        # a migration is DDL over the whole store (an index built over every row of a
+        # large table): the bounds the store sets on its short statements do not apply
+        # to it; it ends when it is done, or when the operator interrupts it
+        conn.exec_driver_sql(
+            "SELECT set_config('statement_timeout', '0', true),"
+            " set_config('lock_timeout', '0', true),"
+            " set_config('idle_in_transaction_session_timeout', '0', true)"
+        )
         # serialize concurrent migrators (two workers starting with auto-migrate); taken
         # first because CREATE SCHEMA IF NOT EXISTS itself races under concurrency
         conn.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('celery_lease.migrate'))")
@@ -283,7 +291,7 @@ class SchemaSetup(StoreBase):
 
     def migrate(self) -> tuple[int | None, int]:
         """Create or upgrade the lease tables; returns (version before, version after)."""
-        result = self._tx(lambda conn, _: migrate(conn, self.t))
+        result = self._tx(lambda conn, _: migrate(conn, self.t), timeout=None)
         self._schema_checked = True
         return result
 

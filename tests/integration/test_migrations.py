@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import re
+import threading
 import uuid
 from dataclasses import replace
 from typing import Any
@@ -631,6 +632,33 @@ def test_concurrent_migrations_apply_each_step_once(make_store, lease_config, re
         assert conn.execute(select(func.count()).select_from(store.t.version)).scalar_one() == len(
             MIGRATIONS
         )
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_migration_is_not_bounded_by_the_store_call_timeout(make_store):
+    # another migrator holds the migration lock for three times lease_db_timeout: the
+    # waiting migration neither gives up at the call deadline nor at the session's
+    # lock_timeout, and applies every step once the lock is free
+    store = make_store(migrate=False, db_timeout=0.5)
+    holder = _engine(store.config.database_url)
+    started = threading.Event()
+
+    def hold() -> None:
+        with holder.begin() as conn:
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('celery_lease.migrate'))")
+            started.set()
+            conn.exec_driver_sql("SELECT pg_sleep(1.5)")
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert started.wait(30)
+        assert store.migrate() == (None, SCHEMA_VERSION)
+    finally:
+        thread.join()
+        holder.dispose()
+    assert store.schema_version() == SCHEMA_VERSION
 
 
 def test_table_prefixes_keep_apps_apart(make_store):
