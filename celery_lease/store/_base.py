@@ -24,6 +24,7 @@ from sqlalchemy import (
     CTE,
     ColumnElement,
     Connection,
+    Engine,
     Executable,
     Insert,
     Integer,
@@ -157,6 +158,15 @@ def retrying(fn: Callable[[bool], T], *, retries: int, url: str, timeout: float 
     raise AssertionError("unreachable")
 
 
+def _close_pool(engine: Engine) -> None:
+    """Close the pooled connections of a store that was dropped. Run by the garbage
+    collector, so it closes the pool without making a new one: ``Engine.dispose()``
+    would build a fresh pool and register its event listeners, and SQLAlchemy's event
+    registry is not safe to change from inside a collection (sqlalchemy#6740: its
+    weakref callbacks then fail with ``KeyError``)."""
+    engine.pool.dispose()
+
+
 class StoreBase:
     """Connection handling shared by the domain operations (thread-safe; fork-safe)."""
 
@@ -165,7 +175,7 @@ class StoreBase:
         self.engine = _db.create(config)
         # a store dropped with its app (Celery's pytest fixtures make an app per test)
         # closes its pooled connections at once, not when the server notices
-        weakref.finalize(self, self.engine.dispose).atexit = False
+        weakref.finalize(self, _close_pool, self.engine).atexit = False
         self.url = safe_url(self.engine.url)
         self.t: Tables = build(config.table_prefix, config.schema, config.origin)
         self.dialect = self.engine.dialect.name
