@@ -50,7 +50,6 @@ from _common import (
     pg_backends,
     pg_schema,
     pg_wal_position,
-    proc_cpu,
     proc_cpu_each,
     proc_cpu_since,
     pyplot,
@@ -350,23 +349,17 @@ def one_round(
         own = [worker.pid, *pool_pids]
         db_pids = pg_backends() if variant.store == "postgresql" else []
         wal0, q0 = pg_wal_position(), proc_cpu_each(mq_pids)
-        w0, d0, m0, t_w0 = (
-            proc_cpu(own),
-            proc_cpu_each(db_pids),
-            proc_cpu([worker.pid]),
-            time.time(),
-        )
+        # per process, so that a child gone meanwhile (a pool process replaced) takes
+        # its last moments with it instead of making the pool's figure negative
+        w0, d0, t_w0 = proc_cpu_each(own), proc_cpu_each(db_pids), time.time()
         wait_for(
             lambda: worker.check_alive() or done_count(done_dir) >= n,
             timeout,
             f"{variant.name}: {n} tasks done",
         )
-        w1, d, m1, t_w1 = (
-            proc_cpu(own),
-            proc_cpu_since(d0, pg_backends() if db_pids else []),
-            proc_cpu([worker.pid]),
-            time.time(),
-        )
+        w = proc_cpu_since(w0)
+        m = proc_cpu_since({p: c for p, c in w0.items() if p == worker.pid})
+        d, t_w1 = proc_cpu_since(d0, pg_backends() if db_pids else []), time.time()
         wal1, q = pg_wal_position(), proc_cpu_since(q0)
         counted = max(n - first, 1)
         times = done_times(done_dir)
@@ -388,11 +381,11 @@ def one_round(
         exec_rate,
         publish_cpu,
         publish_db,
-        (w1 - w0) * 1000 / counted,
+        w * 1000 / counted,
         d * 1000 / counted if db_pids else float("nan"),
-        (m1 - m0) * 1000 / counted,
-        (m1 - m0) / (t_w1 - t_w0) if t_w1 > t_w0 else float("nan"),
-        ((w1 - w0) - (m1 - m0)) * 1000 / counted,
+        m * 1000 / counted,
+        m / (t_w1 - t_w0) if t_w1 > t_w0 else float("nan"),
+        (w - m) * 1000 / counted,
         publish_mq,
         q * 1000 / counted if mq_pids else float("nan"),
         publish_wal,
