@@ -177,6 +177,10 @@ def test_beat_killed_between_a_slots_row_and_its_publish_the_reaper_publishes_it
     assert "Traceback" not in survivor.log_text()
 
 
+#: Seconds with no beat running (slots every second).
+DOWN = 6.0
+
+
 def test_after_every_beat_was_down_the_missed_slots_are_skipped_and_counted(
     lease_env: LeaseEnv,
 ) -> None:
@@ -192,13 +196,13 @@ def test_after_every_beat_was_down_the_missed_slots_are_skipped_and_counted(
     first.wait_group_gone()
     down_since = max(slot_rows(p))
     wait_until(
-        lambda: (p.store.now() - down_since).total_seconds() > 15,
+        lambda: (p.store.now() - down_since).total_seconds() > DOWN,
         timeout=60,
-        message="15 s of slots with no beat",
+        message=f"{DOWN:g} s of slots with no beat",
     )
 
     second = p.project.beat("second")
-    wait_until(lambda: max(slot_rows(p)) > down_since + timedelta(seconds=16), timeout=60)
+    wait_until(lambda: max(slot_rows(p)) > down_since + timedelta(seconds=DOWN + 1), timeout=60)
     second.stop()
 
     slots = check_each_slot_ran_once(p, lease_env)
@@ -207,7 +211,7 @@ def test_after_every_beat_was_down_the_missed_slots_are_skipped_and_counted(
     gaps = [(a, b) for a, b in itertools.pairwise(times) if (b - a).total_seconds() > 1]
     # one gap, the downtime: none of its slots ran ("skip"), each counted as missed
     assert len(gaps) == 1 and gaps[0][0] == down_since
-    assert row.missed == round((gaps[0][1] - gaps[0][0]).total_seconds()) - 1 >= 14
+    assert row.missed == round((gaps[0][1] - gaps[0][0]).total_seconds()) - 1 >= DOWN - 1
     assert row.last_reason is not None and "lease_catchup='skip'" in row.last_reason
 
 

@@ -1,7 +1,7 @@
 """The short seeded chaos soak (see :mod:`tests.crash.chaos`; the long one is
 ``scripts/soak.py``).
 
-About 35 s of faults (pool children and whole workers SIGKILLed and restarted, workers
+About 20 s of faults (pool children and whole workers SIGKILLed and restarted, workers
 frozen and resumed, the broker losing its queued messages, the store's connections
 killed) over a mixed workload on three workers (prefork and threads), PostgreSQL store,
 Redis broker; then the system is left alone and every invariant is checked. The seed
@@ -47,8 +47,8 @@ def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
     exclusive = os.environ.get(EXCLUSIVE_ENV) == "1" or not foreign_sessions()
     opts = Options(
         seed=seed_from_env(),
-        chaos_seconds=35.0,
-        tasks=70,
+        chaos_seconds=20.0,
+        tasks=40,
         workers=3,
         producers=3,
         settle_timeout=120.0,
