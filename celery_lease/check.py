@@ -31,7 +31,9 @@ What it proves, and from what:
   published (or whose message was lost) past their window plus ``grace``; RETRY_WAIT
   rows overdue by ``grace``; rows resting in TIMEOUT (a transient state); PENDING and
   RETRY_WAIT rows of a broker no live worker uses (apps on several brokers sharing a
-  store: each reaper publishes only its own broker's rows, so no one publishes these).
+  store: each reaper publishes only its own broker's rows, so no one publishes these);
+  rows waiting for a concurrency slot while their key has one free and nothing of
+  that key changed for ``grace`` (no grant in flight: the reaper grants such a slot).
   ``grace`` defaults to one reaper interval.
 * **Shape**: a RUNNING row without a fencing token, a WAIT_MANUAL row without a
   reason, audit rows or steps of a task that has no row.
@@ -83,6 +85,10 @@ KINDS: dict[str, str] = {
     "no_publisher": (
         "PENDING or RETRY_WAIT on a broker no live worker uses: no reaper publishes it "
         "(each app publishes only its own broker's rows)"
+    ),
+    "waiting_with_free_slot": (
+        "PENDING, waiting for a concurrency slot while its key has one free, past the "
+        "grace (reaper not running?)"
     ),
     "manual_without_reason": "WAIT_MANUAL without a reason for the person who must decide",
     "orphan_audit": "audit rows of a task that has no row",
@@ -162,7 +168,8 @@ def check(
             ``lease_reaper_interval``; raise it when the reaper runs less often).
         liveness: also report what only a running reaper would have fixed by now
             (``dead_owner``, ``unpublished``, ``republish_overdue``, ``held_overdue``,
-            ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``). Safety
+            ``retry_overdue``, ``stuck_timeout``, ``follow_ups_overdue``,
+            ``waiting_with_free_slot``). Safety
             invariants are always checked.
 
     Returns:
@@ -268,6 +275,7 @@ def _check_shape(task_id: str, state: State, row: Any, liveness: bool) -> Iterat
         "retry_overdue",
         "stuck_timeout",
         "follow_ups_overdue",
+        "waiting_with_free_slot",
     ):
         if getattr(row, kind):
             yield Violation(kind, task_id, f"{state.value}: {KINDS[kind]}")

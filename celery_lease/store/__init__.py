@@ -62,6 +62,7 @@ from ._operator import KINDS as PAUSE_KINDS
 from ._operator import Operator
 from ._outcome import Outcomes
 from ._schedules import BeatRow, ScheduleRow, Schedules, SlotDecision
+from ._slots import WAITING, holders
 from ._submit import (
     REOPENABLE,
     REPLACED,
@@ -389,6 +390,29 @@ class Store(UniqueSubmission, Claims, Outcomes, Sweeps, Operator, Schedules, Sch
                 )
             ),
         )
+        # a row waiting for a concurrency slot while its key has one free, and nothing
+        # of that key changed for the grace (a free changes the row it ends, a grant
+        # the row it grants): no grant is in flight, the reaper's backstop should have
+        # granted it
+        c, peer = self.t.concurrency, t.alias("peer")
+        waiting_with_free_slot = and_(
+            t.c.state == State.PENDING.value,
+            t.c.slot == WAITING,
+            exists(
+                select(c.c.name).where(
+                    c.c.name == t.c.name,
+                    c.c.key == t.c.slot_key,
+                    holders(peer, c.c.name, c.c.key) < c.c.max_slots,
+                )
+            ),
+            ~exists(
+                select(peer.c.id).where(
+                    peer.c.name == t.c.name,
+                    peer.c.slot_key == t.c.slot_key,
+                    after(peer.c.updated_at, grace) >= now,
+                )
+            ),
+        )
         task_q = (
             select(
                 t.c.id,
@@ -408,6 +432,7 @@ class Store(UniqueSubmission, Claims, Outcomes, Sweeps, Operator, Schedules, Sch
                 stuck_timeout.label("stuck_timeout"),
                 follow_ups_overdue.label("follow_ups_overdue"),
                 no_publisher.label("no_publisher"),
+                waiting_with_free_slot.label("waiting_with_free_slot"),
                 t.c.origin,
             )
             .select_from(t.outerjoin(w, w.c.id == t.c.owner))

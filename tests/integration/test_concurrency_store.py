@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, update
 
+from celery_lease.check import check
 from celery_lease.states import State
 from celery_lease.store import Claim, NewTask, Outcome, Refusal, Slot, Store
 from celery_lease.store.schema import after
@@ -216,6 +217,26 @@ def test_the_reaper_grants_free_slots_of_waiting_rows_when_no_worker_did(store):
     assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")  # no hook
     assert [p.id for p in store.take_waiting()] == [b]
     assert store.take_waiting() == []
+
+
+def test_lease_check_reports_a_row_left_waiting_while_its_key_has_a_free_slot(store):
+    def reported(grace: float) -> list[str]:
+        found = check(store, grace=grace)
+        return [v.task_id for v in found if v.kind == "waiting_with_free_slot"]
+
+    owner = register(store)
+    slot = Slot(NAME, "t", 1)
+    a, b = submit(store, 2)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    assert isinstance(store.claim(b, owner, "w", slot=slot), Refusal)
+    assert reported(0.0) == []  # waiting, and rightly: the slot is a's
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")  # no hook
+    # the slot is free and no grant followed: past the grace, the checker says so
+    assert reported(0.0) == [b]
+    assert reported(3600.0) == []  # a's run ended within the grace: a grant may be on its way
+    assert [p.id for p in store.take_waiting()] == [b]
+    assert reported(0.0) == []  # granted
 
 
 def test_a_lower_limit_from_new_code_applies_to_rows_already_waiting(store):
