@@ -76,7 +76,11 @@ class LeasedTask(Task[Any, Any]):
       free slot is acked and its row waits, PENDING, until one frees.
     * ``concurrency_key``: the limit applies per key: the name of an argument of the
       task (``"tenant_id"``), or a callable of ``(args, kwargs)`` returning a string;
-      with a key and no ``concurrency_limit`` the limit is 1.
+      with a key and no ``concurrency_limit`` (nor ``global_rate_limit``) the limit is 1.
+    * ``global_rate_limit``: ``"100/s"``, ``"10/m"``, ``"1000/h"``: starts of the task
+      across all workers (per key with ``concurrency_key``), spaced evenly in database
+      time; a delivery that comes before its turn is given the next free start and
+      published again for it. Celery's own ``rate_limit`` keeps its per-worker meaning.
     * ``unique_for``, ``unique_while``, ``on_conflict``: the defaults of the
       submission options of the same names (how long, in which states, a ``dedup_key``
       deduplicates, and what a duplicate does; see :meth:`apply_async`).
@@ -95,6 +99,7 @@ class LeasedTask(Task[Any, Any]):
     on_conflict: ClassVar[str] = "return"
     concurrency_limit: ClassVar[int | None] = None
     concurrency_key: ClassVar[_slots.KeySpec] = None
+    global_rate_limit: ClassVar[str | None] = None
 
     #: The concurrency options above, checked when the task is bound to an app.
     _concurrency: ClassVar[_slots.Limit | None] = None

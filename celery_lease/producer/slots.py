@@ -8,7 +8,9 @@ The options (decorator keyword arguments or class attributes of a ``LeasedTask``
   (per key when the task has a ``concurrency_key``);
 * ``concurrency_key``: the name of an argument of the task (the key is
   ``"<name>=<value>"``), or a callable of ``(args, kwargs)`` returning the key; with a
-  key and no limit, the limit is 1 (one at a time per key).
+  key and no limit (nor rate), the limit is 1 (one at a time per key);
+* ``global_rate_limit``: ``"N/s"``, ``"N/m"``, ``"N/h"``: starts across all workers
+  (per key), one every ``1/N`` of the unit, in database time.
 
 How a slot is taken and freed is the store's (:mod:`celery_lease.store._slots`).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,10 +40,15 @@ class Limit:
     """A task's checked concurrency options."""
 
     task: str
+    #: At most this many RUNNING at once per key (``0``: no concurrency limit).
     limit: int
     key: KeySpec = None
     #: The task's signature, to find a named key among positional arguments.
     signature: inspect.Signature | None = None
+    #: Seconds between two starts per key (``global_rate_limit``; ``None``: no rate limit).
+    interval: float | None = None
+    #: The ``global_rate_limit`` as the task gave it (for messages).
+    rate: str | None = None
 
     def key_of(self, args: Any, kwargs: Any) -> str:
         """The key of a call with ``args`` and ``kwargs`` (``""``: the one global limit).
@@ -76,7 +84,40 @@ class Limit:
             raise InvalidSubmissionValue("concurrency_key", f"task {self.task}: {error}") from None
 
     def slot_of(self, args: Any, kwargs: Any) -> Slot:
-        return Slot(self.task, self.key_of(args, kwargs), self.limit)
+        return Slot(self.task, self.key_of(args, kwargs), self.limit, self.interval)
+
+
+#: Seconds in each unit a ``global_rate_limit`` may use (Celery's ``rate_limit`` units).
+_RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_rate(where: str, rate: Any) -> float:
+    """Seconds between two starts for a ``global_rate_limit`` such as ``"100/s"``,
+    ``"10/m"`` or ``"1000/h"`` (a number alone is per second, as in Celery).
+
+    Raises:
+        ConfigurationError: not a positive count per ``s``, ``m`` or ``h``.
+    """
+    text = rate if isinstance(rate, str) else None
+    if isinstance(rate, (int, float)) and not isinstance(rate, bool):
+        text = f"{rate}/s"
+    if text is None:
+        raise ConfigurationError(
+            f"{where}: global_rate_limit must be text such as '100/s', '10/m' or '1000/h', "
+            f"got {type(rate).__name__}"
+        )
+    count, _, unit = text.strip().partition("/")
+    unit = unit.strip() or "s"
+    try:
+        per = float(count)
+    except ValueError:
+        per = math.nan
+    if unit not in _RATE_UNITS or not math.isfinite(per) or per <= 0:
+        raise ConfigurationError(
+            f"{where}: global_rate_limit must be a positive number of starts per 's', 'm' "
+            f"or 'h' (such as '100/s', '10/m', '1000/h'), got {rate!r}"
+        )
+    return _RATE_UNITS[unit] / per
 
 
 def _argument(
@@ -129,12 +170,15 @@ def check(task_class: type) -> Limit | None:
     name = getattr(task_class, "name", None) or task_class.__name__
     limit: Any = getattr(task_class, "concurrency_limit", None)
     key: Any = getattr(task_class, "concurrency_key", None)
-    if limit is None and key is None:
+    rate: Any = getattr(task_class, "global_rate_limit", None)
+    if limit is None and key is None and rate is None:
         return None
     where = f"task {name}"
+    interval = None if rate is None else parse_rate(where, rate)
     if limit is None:
-        limit = 1  # a key alone: one at a time per key
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        # a key alone: one at a time per key; a rate alone: no concurrency limit
+        limit = 0 if key is None or interval is not None else 1
+    elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ConfigurationError(
             f"{where}: concurrency_limit must be a positive whole number, got {limit!r}"
         )
@@ -160,7 +204,7 @@ def check(task_class: type) -> Limit | None:
             f"{where}: concurrency_key must be an argument's name or a callable of "
             f"(args, kwargs), got {type(key).__name__}"
         )
-    return Limit(name, limit, key, signature)
+    return Limit(name, limit, key, signature, interval, None if rate is None else str(rate))
 
 
 def _names_parameter(signature: inspect.Signature, key: str) -> bool:

@@ -39,7 +39,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from ..states import STEP_DONE as DONE
 from ..states import STEP_STARTED as STARTED
 from ..states import State
-from ._slots import Slots, holders, waiting_reason
+from ._base import state_is
+from ._slots import PACED, Slots, holders, paced_reason, waiting_reason
 from ._types import (
     Claim,
     FenceResult,
@@ -50,7 +51,7 @@ from ._types import (
     Slot,
     TransitionEvent,
 )
-from .schema import db_now
+from .schema import after, db_now, greatest
 
 #: Note for rows whose arguments could not be stored: they cannot be re-published.
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
@@ -109,21 +110,28 @@ class Claims(Slots):
         if slot is not None:
             params.update({"b_slot_name": slot.name, "b_slot_key": slot.key, "b_limit": slot.limit})
 
+        if slot is None:
+            kind, spec = "claim", self._claim_spec
+        elif slot.interval is None:
+            kind, spec = "claim-slot", self._claim_slot_spec
+        elif slot.limit > 0:
+            kind, spec = "claim-slot-rate", self._claim_slot_rate_spec
+        else:
+            kind, spec = "claim-rate", self._claim_rate_spec
+
         def move(conn: Connection) -> list[Row[Any]]:
             return self._move_prepared(
-                conn,
-                "claim" if slot is None else "claim-slot",
-                self._claim_spec if slot is None else self._claim_slot_spec,
-                params,
-                State.PENDING,
-                State.RUNNING,
-                reason=reason,
-                actor=actor,
+                conn, kind, spec, params, State.PENDING, State.RUNNING, reason=reason, actor=actor
             )
 
         def waits(conn: Connection) -> Refusal | None:
-            """Only the slot count stopped a claim that should have moved the row."""
-            if slot is None or not self.mark_waiting(conn, task_id, slot):
+            """Only the key's next start, or its slot count, stopped a claim that should
+            have moved the row: it is paced, or it waits for a slot."""
+            if slot is not None and slot.interval is not None:
+                paced = self._pace(conn, task_id, slot)
+                if paced is not None:
+                    return paced
+            if slot is None or slot.limit <= 0 or not self.mark_waiting(conn, task_id, slot):
                 return None
             return Refusal(task_id, State.PENDING, waiting_reason(slot), waiting=True)
 
@@ -148,8 +156,11 @@ class Claims(Slots):
             return Refusal(task_id, state, f"task is {state}")
 
         def op(conn: Connection, is_retry: bool) -> Claim | Refusal:
+            reserved = True  # no start to take: no rate limit, or one reserved for it
             if slot is not None:
                 self.lock_slot(conn, slot)
+                if slot.interval is not None:
+                    reserved = self._reserved_start(conn, task_id)
             rows = move(conn)
             adopted = False
             if not rows:
@@ -204,6 +215,8 @@ class Claims(Slots):
                     state = State(row.state) if row is not None else None
                     why = "no row for this message" if row is None else f"task is {state}"
                     return Refusal(task_id, state, why)
+            if not reserved and slot is not None and slot.interval is not None:
+                self._take_start(conn, slot)
             return claimed(rows[0], adopted)
 
         if not self.is_pg or slot is not None:
@@ -252,6 +265,94 @@ class Claims(Slots):
         where = [*where, used < bindparam("b_limit", type_=Integer)]
         values = {**values, "slot_key": key, "slot": None}
         return where, values, returning
+
+    def _rate_spec(
+        self, spec: tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]
+    ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
+        """``spec`` for a task with a ``global_rate_limit``: the row moves only when its
+        key's next start has come, or when a start was reserved for it (``paced``: its
+        ETA, part of every claim's ``WHERE``, is that start)."""
+        t, c = self.t.tasks, self.t.concurrency
+        where, values, returning = spec
+        name = bindparam("b_slot_name", type_=t.c.name.type)
+        key = bindparam("b_slot_key", type_=t.c.slot_key.type)
+        later = (
+            select(c.c.name)
+            .where(c.c.name == name, c.c.key == key, c.c.next_start_at > db_now())
+            .exists()
+        )
+        return [*where, or_(t.c.slot == PACED, ~later)], values, returning
+
+    def _claim_slot_rate_spec(
+        self,
+    ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
+        """A task with a concurrency limit and a rate limit: both hold."""
+        return self._rate_spec(self._claim_slot_spec())
+
+    def _claim_rate_spec(
+        self,
+    ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
+        """A task with a rate limit only: it holds no slot (its RUNNING rows count
+        under no key, so their ends free nothing), and a reservation is cleared."""
+        where, values, returning = self._rate_spec(self._claim_spec())
+        return where, {**values, "slot": None, "slot_key": None}, returning
+
+    def _reserved_start(self, conn: Connection, task_id: str) -> bool:
+        """Whether a start was reserved for ``task_id`` (it is ``paced``): its claim then
+        takes no other. Read under its key's lock, which every change of it takes."""
+        t = self.t.tasks
+        mark = conn.execute(select(t.c.slot).where(t.c.id == task_id)).scalar()
+        return mark == PACED
+
+    def _take_start(self, conn: Connection, slot: Slot) -> None:
+        """A claim started the task now: its key's next start is one interval on."""
+        c = self.t.concurrency
+        assert slot.interval is not None
+        start = greatest(func.coalesce(c.c.next_start_at, db_now()), db_now())
+        conn.execute(
+            update(c)
+            .where(c.c.name == slot.name, c.c.key == slot.key)
+            .values(next_start_at=after(start, slot.interval))
+        )
+
+    def _pace(self, conn: Connection, task_id: str, slot: Slot) -> Refusal | None:
+        """A PENDING row whose claim came before its key's next start: that start is
+        reserved for it (its ETA; the key's next start moves one interval on), and its
+        delivery is acked. Published again at once (due then), or held in the store
+        when the start is more than ``lease_hold_eta_after`` away. ``None``: the next
+        start has come (the claim failed for another reason), or the row is not PENDING
+        or already has a start."""
+        t, c = self.t.tasks, self.t.concurrency
+        assert slot.interval is not None
+        row = conn.execute(select(t.c.state, t.c.slot).where(t.c.id == task_id)).first()
+        if row is None or row.state != State.PENDING.value or row.slot == PACED:
+            return None
+        start, now = conn.execute(
+            select(c.c.next_start_at, db_now()).where(c.c.name == slot.name, c.c.key == slot.key)
+        ).one()
+        if start is None or start <= now:
+            return None
+        conn.execute(
+            update(c)
+            .where(c.c.name == slot.name, c.c.key == slot.key)
+            .values(next_start_at=after(c.c.next_start_at, slot.interval))
+        )
+        delay = (start - now).total_seconds()
+        hold = self.config.hold_eta_after is not None and delay > self.config.hold_eta_after
+        why = paced_reason(slot, start)
+        conn.execute(
+            update(t)
+            .where(t.c.id == task_id, state_is(t, State.PENDING))
+            .values(
+                slot=PACED,
+                slot_key=slot.key,
+                eta=start,
+                held=hold,
+                reason=why,
+                updated_at=db_now(),
+            )
+        )
+        return Refusal(task_id, State.PENDING, why, paced=True, held=hold)
 
     def _claim_pg(self) -> Any:
         t = self.t.tasks

@@ -57,6 +57,20 @@ WAITING = "waiting"
 GRANTED = "granted"
 
 
+#: ``tasks.slot`` of a PENDING row paced by its task's ``global_rate_limit``: a start of
+#: its key was reserved for it, at its ETA, where it is published (or held) for it.
+PACED = "paced"
+
+
+def paced_reason(slot: Slot, start: datetime) -> str:
+    """The reason a paced row shows."""
+    every = f"{slot.interval:g}" if slot.interval is not None else "?"
+    return (
+        f"paced by the global rate limit of {slot.label()} (one start every {every} s): "
+        f"starts at {start.isoformat()}"
+    )
+
+
 def waiting_reason(slot: Slot) -> str:
     """The reason a waiting row shows (``lease show``, the Django admin)."""
     return f"waiting for a slot of {slot.label()} (limit {slot.limit})"
@@ -231,6 +245,7 @@ class Slots(StoreBase):
             oldest.label("oldest"),
             seconds_between(db_now(), oldest).label("age"),
         )
+        q = q.where(c.c.max_slots > 0)  # not the keys of a rate limit alone
         if name is not None:
             q = q.where(c.c.name == name)
         q = q.order_by(c.c.name, c.c.key).limit(limit)
@@ -268,4 +283,4 @@ class Slots(StoreBase):
         ]
 
 
-__all__ = ["GRANTED", "WAITING", "Slots", "holders", "waiting_reason"]
+__all__ = ["GRANTED", "PACED", "WAITING", "Slots", "holders", "paced_reason", "waiting_reason"]

@@ -46,18 +46,22 @@ class LeaseOptions:
     on_timeout: str = "retry"
     on_exhausted: str = "fail"
     #: At most this many attempts RUNNING at once across all workers (per concurrency
-    #: key when the task has one); ``None``: no limit.
+    #: key when the task has one); ``0``: a ``global_rate_limit`` only; ``None``: no
+    #: limit of either kind (the claim may then be made ahead).
     concurrency_limit: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
     """What a limited task's claim counts under: its task name, its concurrency key
-    (``""``: the task's one global limit) and the limit its code gives."""
+    (``""``: the task's one global limit), the limit its code gives (``0``: no
+    concurrency limit, a rate limit only) and the seconds between two starts its
+    ``global_rate_limit`` gives (``None``: no rate limit)."""
 
     name: str
     key: str
     limit: int
+    interval: float | None = None
 
     def label(self) -> str:
         """``send_report[tenant=42]``, or the name alone for a global limit."""
@@ -249,6 +253,11 @@ class Refusal:
     #: The row is PENDING and waits for a concurrency slot (recorded in the row): the
     #: delivery is acked; the row is published again when a slot frees.
     waiting: bool = False
+    #: The row is PENDING and paced by its task's global rate limit: a later start was
+    #: reserved for it (its ETA). Not held: publish it again (it is due then); held:
+    #: the reaper publishes it when due.
+    paced: bool = False
+    held: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

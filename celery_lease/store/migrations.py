@@ -185,6 +185,10 @@ def _concurrency(conn: Connection, tables: Tables) -> None:
     tables.concurrency.create(conn, checkfirst=True)
 
 
+def _rate_limits(conn: Connection, tables: Tables) -> None:
+    _add_column(conn, tables.concurrency, "next_start_at")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -228,6 +232,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         "concurrency limits: tasks.slot_key and tasks.slot (waiting, granted), their "
         "indexes, and a row per limited task and key (its lock and limit)",
         _concurrency,
+    ),
+    Migration(
+        14,
+        "global rate limits: concurrency.next_start_at, the earliest start not given out; "
+        "tasks.slot 'paced' (a start reserved at the row's ETA)",
+        _rate_limits,
     ),
 )
 

@@ -180,7 +180,7 @@ def _greatest_sqlite(element: greatest, compiler: SQLCompiler, **kw: Any) -> str
 # -- the tables -----------------------------------------------------------------------------
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 #: PostgreSQL's fillfactor of the tasks table (schema version 9): part of each page is
 #: left free when rows are inserted, so that the updates of a task's lifecycle (the
@@ -295,7 +295,9 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         # counted it under (``""``: the task's one global limit), and where it stands
         # for a slot while PENDING: ``waiting`` (its delivery found none: acked, not in
         # the broker, published when one frees) or ``granted`` (a slot freed and is kept
-        # for it: published, not claimed yet). NULL on every row of an unlimited task
+        # for it: published, not claimed yet); with a global_rate_limit (version 14),
+        # ``paced`` (its delivery came before the key's next start: a later start was
+        # reserved for it, its ETA). NULL on every row of an unlimited task
         Column("slot_key", String(255)),
         Column("slot", String(8)),
         # only the rows that have a dedup key (most have none): a row without one adds
@@ -517,6 +519,9 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         # the last time a waiting row was granted a slot: the keys take turns
         Column("served_at", DbTime()),
         Column("updated_at", DbTime(), nullable=False),
+        # global_rate_limit: the earliest start not yet given out (schema version 14);
+        # each start, or a start reserved for a paced row, moves it one interval on
+        Column("next_start_at", DbTime()),
     )
     schedules, beats = _schedule_tables(md, prefix)
     return Tables(

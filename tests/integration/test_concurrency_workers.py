@@ -157,6 +157,12 @@ def test_limits_hold_across_workers_and_each_free_starts_a_waiting_row(
         ({"concurrency_limit": "2"}, "concurrency_limit"),
         ({"concurrency_key": "tenant_id"}, "names no argument of the task"),
         ({"concurrency_key": 42}, "concurrency_key must be an argument's name or a callable"),
+        ({"global_rate_limit": "0/s"}, "global_rate_limit must be a positive number"),
+        ({"global_rate_limit": "5/d"}, "per 's', 'm' or 'h'"),
+        ({"global_rate_limit": "fast"}, "global_rate_limit"),
+        ({"global_rate_limit": "nan/s"}, "global_rate_limit"),
+        ({"global_rate_limit": True}, "global_rate_limit must be text"),
+        ({"global_rate_limit": "10/m", "concurrency_limit": 0}, "concurrency_limit"),
     ],
 )
 def test_bad_options_fail_at_decoration(options: dict[str, Any], match: str) -> None:

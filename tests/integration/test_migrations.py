@@ -17,7 +17,7 @@ from sqlalchemy.schema import CreateSchema
 
 from celery_lease import State
 from celery_lease.exceptions import SchemaOutOfDate, StoreError
-from celery_lease.store import SCHEMA_VERSION, NewTask, build
+from celery_lease.store import SCHEMA_VERSION, Claim, NewTask, Refusal, Slot, build
 from celery_lease.store.migrations import MIGRATIONS
 from celery_lease.store.schema import TASKS_FILLFACTOR, db_now
 
@@ -328,6 +328,50 @@ def test_a_version_12_database_gains_the_concurrency_slots_and_keeps_its_rows(ma
     assert schema_snapshot(store.engine, store.config.schema) == full
     record = store.get("old")
     assert record is not None and record.state is State.PENDING
+
+
+def test_a_version_13_database_gains_the_rate_column_and_keeps_its_rows_and_slots(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    owner = uuid.uuid4().hex
+    store.register_worker(owner, "w@host", "host", 1)
+
+    def task(task_id: str) -> NewTask:
+        return NewTask(
+            id=task_id, name="t", args="[]", kwargs="{}", options=None, lease_ttl=30,
+            max_recoveries=5,
+        )  # fmt: skip
+
+    for task_id in ("pending", "running", "waiting", "done", "manual"):
+        store.submit(task(task_id))
+    store.mark_published(["pending", "running", "waiting", "done", "manual"])
+    slot = Slot("t", "k", 1)
+    running = store.claim("running", owner, "w", slot=slot)
+    assert isinstance(running, Claim)
+    assert isinstance(store.claim("waiting", owner, "w", slot=slot), Refusal)
+    done = store.claim("done", owner, "w")
+    assert isinstance(done, Claim)
+    assert store.finish(done.lease, State.SUCCEEDED, actor="t", reason="ok")
+    manual = store.claim("manual", owner, "w")
+    assert isinstance(manual, Claim)
+    assert store.finish(manual.lease, State.WAIT_MANUAL, actor="t", reason="look")
+    before = {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)}
+    t = store.t
+    with store.engine.begin() as conn:  # the database as schema version 13 left it
+        table = store.engine.dialect.identifier_preparer.format_table(t.concurrency)
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN next_start_at")
+        conn.execute(t.version.delete().where(t.version.c.version > 13))
+    assert store.schema_version() == 13
+
+    assert store.migrate() == (13, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)} == before
+    # the slot taken before the migration still counts; the waiting row still waits
+    (usage,) = store.slot_usage()
+    assert (usage.key, usage.limit, usage.running, usage.waiting) == ("k", 1, 1, 1)
+    assert store.finish(running.lease, State.SUCCEEDED, actor="t", reason="ok")
+    assert [p.id for p in store.grant([("t", "k")])] == ["waiting"]
 
 
 def test_a_version_11_database_gains_the_revision_column_and_keeps_its_rows(make_store):

@@ -100,7 +100,8 @@ class Task(models.Model):
         max_length=8,
         null=True,
         help_text="While PENDING: 'waiting' for a concurrency slot (published when one "
-        "frees) or 'granted' one (published, not yet claimed).",
+        "frees), 'granted' one (published, not yet claimed), or 'paced' by a global rate "
+        "limit (a start reserved at its ETA).",
     )
 
     objects: ClassVar[LeaseManager] = LeaseManager()

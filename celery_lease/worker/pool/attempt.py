@@ -109,7 +109,7 @@ class _Delivery:
         if options.max_runtime is not None or options.on_timeout != "retry":
             return None
         if options.concurrency_limit is not None:
-            return None  # a limited task takes its slot in its own claim
+            return None  # a limited task takes its slot (or its start) in its own claim
         if _message.revision_of(self.req) is not None:
             return None  # a replaced task's message: its claim checks the revision
         if not self.inc.flags.claimable(self.rt.config.heartbeat_interval):
@@ -148,9 +148,11 @@ class _Delivery:
             slot=self._slot(args, kwargs),
         )
         if isinstance(claim, Refusal):
-            if claim.early:
-                self._publish_again()
-            elif not claim.waiting:  # a waiting row is published when a slot frees
+            if claim.early or (claim.paced and not claim.held):
+                self._publish_again()  # due at its ETA: the start reserved for it
+            elif not (claim.waiting or claim.paced):
+                # a waiting row is published when a slot frees, a held paced one by the
+                # reaper when its start comes
                 _count_duplicate(store)
             logger.info(
                 "task %s[%s]: delivery dropped without running (%s)", task.name, req.id, claim.why

@@ -1,0 +1,186 @@
+"""Global rate limits in the store, on SQLite and PostgreSQL: a claim starts the task only
+when its key's next start has come, and moves that start one interval on; a claim that
+comes before it is given the next free start (the row's ETA, ``paced``), in the order
+the claims came, and the key's next start moves on past it; a paced row's claim at its
+ETA takes no other start. Keys are paced apart. A start far ahead is held in the store.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from datetime import datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+
+from celery_lease import ConfigurationError
+from celery_lease.producer.slots import parse_rate
+from celery_lease.states import State
+from celery_lease.store import Claim, NewTask, Refusal, Slot, Store
+from celery_lease.store.schema import after, db_now
+
+S = State
+NAME = "tests.paced"
+
+
+def submit(store: Store, n: int) -> list[str]:
+    ids = []
+    for _ in range(n):
+        task_id, created = store.submit(
+            NewTask(
+                id=uuid.uuid4().hex,
+                name=NAME,
+                args="[]",
+                kwargs="{}",
+                options="{}",
+                lease_ttl=30.0,
+                max_recoveries=5,
+            )
+        )
+        assert created
+        ids.append(task_id)
+    store.mark_published(ids)
+    return ids
+
+
+def register(store: Store) -> str:
+    worker_id = uuid.uuid4().hex
+    store.register_worker(worker_id, f"w-{worker_id[:6]}@host", "host", os.getpid())
+    return worker_id
+
+
+def row(store: Store, task_id: str) -> Any:
+    t = store.t.tasks
+    with store.engine.connect() as conn:
+        return conn.execute(
+            select(t.c.state, t.c.slot, t.c.slot_key, t.c.eta, t.c.held, t.c.reason).where(
+                t.c.id == task_id
+            )
+        ).one()
+
+
+def next_start(store: Store, key: str = "") -> datetime | None:
+    c = store.t.concurrency
+    with store.engine.connect() as conn:
+        found: datetime | None = conn.execute(
+            select(c.c.next_start_at).where(c.c.name == NAME, c.c.key == key)
+        ).scalar_one()
+        return found
+
+
+def make_due(store: Store, task_id: str) -> None:
+    """The row's ETA (its reserved start) has come, without waiting for it."""
+    t = store.t.tasks
+    with store.engine.begin() as conn:
+        conn.execute(update(t).where(t.c.id == task_id).values(eta=after(db_now(), -0.001)))
+
+
+def seconds(a: datetime, b: datetime) -> float:
+    return (b - a).total_seconds()
+
+
+def test_claims_before_the_next_start_are_given_the_following_starts_in_order(store):
+    owner = register(store)
+    slot = Slot(NAME, "", 0, interval=2.0)
+    a, b, c, d = submit(store, 4)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    after_first = next_start(store)
+    assert after_first is not None
+    assert 1.9 <= seconds(store.now(), after_first) <= 2.0
+
+    paced = [store.claim(task_id, owner, "w", slot=slot) for task_id in (b, c)]
+    for refusal in paced:
+        assert isinstance(refusal, Refusal) and refusal.paced and not refusal.held
+        assert refusal.state is S.PENDING and not refusal.waiting
+    rb, rc = row(store, b), row(store, c)
+    assert (rb.state, rb.slot, rb.slot_key) == ("PENDING", "paced", "")
+    # b has the start the first claim left next, c the one after it: one interval apart
+    assert abs(seconds(after_first, rb.eta)) < 0.002
+    assert abs(seconds(rb.eta, rc.eta) - 2.0) < 0.002
+    assert rb.reason.startswith(f"paced by the global rate limit of {NAME} (one start every 2 s)")
+    assert abs(seconds(rc.eta, next_start(store)) - 2.0) < 0.002  # d's would come next
+
+    # a paced row's delivery before its start: refused as early (published again)
+    early = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(early, Refusal) and early.early
+    # at its start it runs, and takes no other start: c's stays reserved for c
+    reserved_next = next_start(store)
+    make_due(store, b)
+    second = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(second, Claim) and second.lease.attempt == 1
+    assert next_start(store) == reserved_next
+    running = row(store, b)
+    # a rate limit alone holds no slot: its run counts under no key, its end frees none
+    assert (running.state, running.slot, running.slot_key) == ("RUNNING", None, None)
+    # a fresh delivery is still paced, after every start given out
+    late = store.claim(d, owner, "w", slot=slot)
+    assert isinstance(late, Refusal) and late.paced
+    assert abs(seconds(rc.eta, row(store, d).eta) - 2.0) < 0.002
+
+    make_due(store, c)
+    assert isinstance(store.claim(c, owner, "w", slot=slot), Claim)
+    # a duplicate delivery of a running row is a duplicate, not paced
+    dup = store.claim(c, owner, "w", slot=slot)
+    assert isinstance(dup, Refusal) and not dup.paced and dup.state is S.RUNNING
+
+
+def test_keys_are_paced_apart_and_a_start_that_came_is_taken_at_once(store):
+    owner = register(store)
+    a, b, c = submit(store, 3)
+    assert isinstance(store.claim(a, owner, "w", slot=Slot(NAME, "t=1", 0, 60.0)), Claim)
+    # another key's first start is its own
+    assert isinstance(store.claim(b, owner, "w", slot=Slot(NAME, "t=2", 0, 60.0)), Claim)
+    # a key whose next start has come starts at once, and moves it on from now
+    c_slot = Slot(NAME, "t=3", 0, 0.001)
+    assert isinstance(store.claim(c, owner, "w", slot=c_slot), Claim)
+    assert store.slot_usage() == []  # rate keys hold no slots
+
+
+@pytest.mark.parametrize("hold", [1.0])
+def test_a_start_further_than_lease_hold_eta_after_is_held_in_the_store(make_store, hold):
+    store = make_store(hold_eta_after=hold)
+    owner = register(store)
+    slot = Slot(NAME, "", 0, interval=5.0)
+    a, b = submit(store, 2)
+    assert isinstance(store.claim(a, owner, "w", slot=slot), Claim)
+    refusal = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(refusal, Refusal) and refusal.paced and refusal.held
+    assert row(store, b).held
+    assert store.take_held() == []  # not due within a reaper interval
+    make_due(store, b)
+    assert [p.id for p in store.take_held()] == [b]
+    assert isinstance(store.claim(b, owner, "w", slot=slot), Claim)
+
+
+def test_a_rate_and_a_concurrency_limit_both_hold(store):
+    owner = register(store)
+    slot = Slot(NAME, "", 1, interval=0.001)
+    a, b = submit(store, 2)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    # the start has come (a millisecond), the one slot has not: b waits for the slot
+    t = store.t.concurrency
+    with store.engine.begin() as conn:
+        conn.execute(update(t).values(next_start_at=after(db_now(), -1.0)))
+    waiting = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(waiting, Refusal) and waiting.waiting and not waiting.paced
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")
+    assert [p.id for p in store.grant([(NAME, "")])] == [b]
+    assert isinstance(store.claim(b, owner, "w", slot=slot), Claim)
+
+
+@pytest.mark.parametrize(
+    ("rate", "interval"),
+    [("100/s", 0.01), ("10/m", 6.0), ("1000/h", 3.6), ("4", 0.25), (5, 0.2), ("0.5/s", 2.0)],
+)
+def test_a_rate_gives_the_seconds_between_two_starts(rate: Any, interval: float) -> None:
+    assert parse_rate("task t", rate) == pytest.approx(interval)
+
+
+@pytest.mark.parametrize("rate", ["0/s", "-1/m", "1/d", "x/s", "inf/s", "", None, True, [1]])
+def test_a_bad_rate_is_a_configuration_error_naming_the_task(rate: Any) -> None:
+    with pytest.raises(ConfigurationError, match="task t: global_rate_limit"):
+        parse_rate("task t", rate)
