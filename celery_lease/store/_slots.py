@@ -209,9 +209,12 @@ class Slots(StoreBase):
             .where(t.c.name == c.c.name, t.c.slot_key == c.c.key, *_queued(t, WAITING))
             .exists()
         )
+        # only the keys with a slot free: with none free (the usual case while rows
+        # wait), the backstop is this one read, whatever the number of keys waiting
+        peer = t.alias("peer")
         q = (
             select(c.c.name, c.c.key)
-            .where(has_waiting)
+            .where(has_waiting, holders(peer, c.c.name, c.c.key) < c.c.max_slots)
             .order_by(c.c.served_at.is_not(None), c.c.served_at, c.c.name, c.c.key)
             .limit(batch)
         )
