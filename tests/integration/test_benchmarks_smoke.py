@@ -399,3 +399,30 @@ def test_the_held_sweep_benchmark_prints_its_table(pg_url: str, redis_url: str) 
     for row in figures[1:]:
         assert _number(row[1]) == 200  # every held row was published (or the run fails)
         assert _number(row[2]) > 0 and _number(row[4]) > 0
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_the_limits_benchmark_prints_its_tables(pg_url: str, redis_url: str) -> None:
+    proc = _run(["bench_limits.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    cost, scale = _tables(proc.stdout)
+    assert cost[0][:2] == ["variant", "N"]
+    assert [row[0] for row in cost[1:]] == [
+        "unlimited",
+        "concurrency_limit=1000",
+        "global_rate_limit=1000000/s",
+        "both",
+    ]
+    for row in cost[1:]:
+        assert _number(row[1]) == 100 and all(_number(x) > 0 for x in row[2:5])
+    assert [row[0] for row in scale[1:]] == [
+        "claim of a full key (marked waiting)",
+        "outcome that frees a slot + its grant",
+        "backstop sweep over every key, none free",
+    ]
+    # the claim counts a key's slots and a grant reads its waiting rows by index
+    assert "0 sequential scans" in proc.stdout
+    assert "Index Only Scan using lease_tasks_slot_running" in proc.stdout
+    assert "Index Scan using lease_tasks_slot_queue" in proc.stdout

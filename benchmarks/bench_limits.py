@@ -1,0 +1,279 @@
+"""What concurrency and rate limits cost the store (PostgreSQL), side by side in one run.
+
+1. **Per task.** The same lifecycle (claim, then the fenced outcome) of N submitted
+   rows, one process, for an unlimited task, a task with a ``concurrency_limit`` that
+   is never reached, one with a ``global_rate_limit`` that never paces, and one with
+   both. A limited outcome also runs what a worker runs after it: the grant of the
+   slot it freed (no row waits, so nothing is granted). Figures: the client's CPU and
+   the PostgreSQL backend's CPU per task, and the wall time per task.
+2. **At scale.** 1,000 keys of one task, limit 2, each with 2 RUNNING rows and 10 rows
+   waiting (2,000 RUNNING, 10,000 waiting): the time of a claim that finds its key
+   full (it marks the row waiting), of an outcome that frees a slot and the grant that
+   gives it to the key's oldest waiting row, of the reaper's backstop sweep over every
+   key when none is free, and the plans of the statements that count a key's slots
+   and read its waiting rows (index scans: a claim never reads the waiting rows).
+
+The end-to-end figures (a worker's throughput with a limit, the time from a free to
+the next start through the broker) are the real-worker test's measured lines.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (
+    PG_URL,
+    Context,
+    Section,
+    lease_config,
+    loadavg,
+    median,
+    noop_row,
+    percentile,
+    pg_backends,
+    pg_schema,
+    proc_cpu_each,
+    proc_cpu_since,
+    standalone,
+    table,
+    with_app_name,
+)
+
+#: (variant, concurrency limit, seconds between starts): limits never reached or paced.
+VARIANTS: list[tuple[str, int | None, float | None]] = [
+    ("unlimited", None, None),
+    ("concurrency_limit=1000", 1000, None),
+    ("global_rate_limit=1000000/s", None, 1e-6),
+    ("both", 1000, 1e-6),
+]
+
+
+def _store(schema: str) -> Any:
+    from celery_lease.store import Store
+
+    store = Store(lease_config(with_app_name(PG_URL), schema))
+    store.migrate()
+    # what a worker's runtime attaches: the slots an outcome frees are granted at once
+    store.on_slots_freed = lambda pairs: store.grant(pairs)
+    return store
+
+
+def _worker(store: Any) -> str:
+    worker_id = uuid.uuid4().hex
+    store.register_worker(worker_id, "bench@host", "host", 1)
+    return worker_id
+
+
+def lifecycle(ctx: Context, variant: str, limit: int | None, interval: float | None) -> dict:
+    """Claim and finish N rows of one variant; figures per task."""
+    from celery_lease.states import State
+    from celery_lease.store import Claim, Slot
+
+    n = ctx.scale(3000, 100)
+    with pg_schema("limits_cost") as schema:
+        store = _store(schema)
+        try:
+            owner = _worker(store)
+            ids = [uuid.uuid4().hex for _ in range(n)]
+            store.submit_many([noop_row(i) for i in ids])
+            store.mark_published(ids)
+            slot = None
+            if limit is not None or interval is not None:
+                slot = Slot("bench.noop", "", limit or 0, interval)
+            db = pg_backends()
+            d0, c0, t0 = proc_cpu_each(db), time.process_time(), time.monotonic()
+            for task_id in ids:
+                claim = store.claim(task_id, owner, "bench", slot=slot)
+                assert isinstance(claim, Claim), claim
+                assert store.finish(claim.lease, State.SUCCEEDED, actor="bench", reason="ok")
+            wall, cpu = time.monotonic() - t0, time.process_time() - c0
+            pg = proc_cpu_since(d0, pg_backends())
+        finally:
+            store.dispose()
+    return {
+        "variant": variant,
+        "n": n,
+        "client_ms": cpu / n * 1000,
+        "pg_ms": pg / n * 1000,
+        "wall_ms": wall / n * 1000,
+    }
+
+
+def at_scale(ctx: Context) -> dict:
+    """1,000 keys with their slots full and rows waiting: claim, free + grant, sweep."""
+    from sqlalchemy import select, text, update
+
+    from celery_lease.states import State
+    from celery_lease.store import Claim, Refusal, Slot
+    from celery_lease.store._slots import WAITING, holders
+    from celery_lease.store.schema import after
+
+    keys, waiting_per_key, limit = ctx.scale((1000, 10, 2), (50, 4, 2))
+    probes = ctx.scale(300, 20)
+    with pg_schema("limits_scale") as schema:
+        store = _store(schema)
+        try:
+            owner = _worker(store)
+            t = store.t.tasks
+            per_key = limit + waiting_per_key
+            ids = {k: [uuid.uuid4().hex for _ in range(per_key)] for k in range(keys)}
+            every = [i for k in range(keys) for i in ids[k]]
+            for start in range(0, len(every), 1000):
+                store.submit_many([noop_row(i) for i in every[start : start + 1000]])
+            store.mark_published(every)
+            # submission order within each key, a millisecond apart
+            with store.engine.begin() as conn:
+                for k in range(keys):
+                    for j, task_id in enumerate(ids[k]):
+                        conn.execute(
+                            update(t)
+                            .where(t.c.id == task_id)
+                            .values(created_at=after(t.c.created_at, (j - per_key) / 1000))
+                        )
+            leases: dict[int, list[Any]] = {}
+            for k in range(keys):
+                slot = Slot("bench.noop", f"k={k}", limit)
+                for task_id in ids[k]:
+                    got = store.claim(task_id, owner, "bench", slot=slot)
+                    if isinstance(got, Claim):
+                        leases.setdefault(k, []).append(got.lease)
+            running = sum(len(v) for v in leases.values())
+            waiting = len(store.waiting_rows(limit=1_000_000))
+            with store.engine.begin() as conn:
+                conn.execute(text(f'ANALYZE "{schema}"."{t.name}"'))
+
+            # a fresh delivery to a full key: counted, refused, marked waiting
+            extra = [uuid.uuid4().hex for _ in range(probes)]
+            store.submit_many([noop_row(i) for i in extra])
+            store.mark_published(extra)
+            full: list[float] = []
+            for n, task_id in enumerate(extra):
+                slot = Slot("bench.noop", f"k={n % keys}", limit)
+                t0 = time.perf_counter()
+                got = store.claim(task_id, owner, "bench", slot=slot)
+                full.append(time.perf_counter() - t0)
+                assert isinstance(got, Refusal) and got.waiting, got
+
+            # nothing free: the reaper's backstop over every key grants nothing
+            sweeps: list[float] = []
+            for _ in range(ctx.scale(5, 2)):
+                t0 = time.perf_counter()
+                assert store.take_waiting(limit=keys) == []
+                sweeps.append(time.perf_counter() - t0)
+
+            # an outcome frees a slot; its grant gives it to the key's oldest waiting row
+            frees: list[float] = []
+            for n in range(probes):
+                lease = leases[n % keys].pop(0)
+                t0 = time.perf_counter()
+                assert store.finish(lease, State.SUCCEEDED, actor="bench", reason="ok")
+                frees.append(time.perf_counter() - t0)
+
+            # the plans: a key's slots counted, its waiting rows read in order
+            count = select(holders(t, "bench.noop", "k=7"))
+            queue = (
+                select(t.c.id)
+                .where(
+                    t.c.name == "bench.noop",
+                    t.c.slot_key == "k=7",
+                    t.c.slot.is_not(None),
+                    t.c.slot == WAITING,
+                    t.c.state == State.PENDING.value,
+                )
+                .order_by(t.c.created_at, t.c.id)
+                .limit(1)
+            )
+            plans = {}
+            with store.engine.connect() as conn:
+                for label, stmt in (("slots in use", count), ("oldest waiting", queue)):
+                    sql = str(stmt.compile(store.engine, compile_kwargs={"literal_binds": True}))
+                    rows = conn.execute(text(f"EXPLAIN (ANALYZE, COSTS OFF) {sql}")).all()
+                    plans[label] = [str(r[0]) for r in rows]
+        finally:
+            store.dispose()
+    return {
+        "keys": keys,
+        "running": running,
+        "waiting": waiting,
+        "full_ms": [x * 1000 for x in full],
+        "free_grant_ms": [x * 1000 for x in frees],
+        "sweep_ms": [x * 1000 for x in sweeps],
+        "plans": plans,
+        "seq_scans": sum("Seq Scan" in line for p in plans.values() for line in p),
+    }
+
+
+def run(ctx: Context) -> Section:
+    """The cost of concurrency and rate limits in the store."""
+    section = Section("limits", "15. Concurrency and rate limits: cost per task, and at scale")
+    rounds = []
+    for variant, limit, interval in VARIANTS:
+        ctx.log(f"limits: lifecycle, {variant}")
+        rounds.append(lifecycle(ctx, variant, limit, interval))
+    ctx.log("limits: 1,000 keys")
+    scale = at_scale(ctx)
+
+    base = rounds[0]
+    section.lines += textwrap.dedent(__doc__ or "").strip().splitlines()[2:]
+    section.lines += [""]
+    section.lines += table(
+        [
+            "variant",
+            "N",
+            "client CPU ms / task",
+            "PostgreSQL CPU ms / task",
+            "wall ms / task",
+            "wall vs unlimited",
+        ],
+        [
+            [
+                r["variant"],
+                f"{r['n']:,}",
+                f"{r['client_ms']:.3f}",
+                f"{r['pg_ms']:.3f}",
+                f"{r['wall_ms']:.3f}",
+                f"{r['wall_ms'] / base['wall_ms']:.2f}x",
+            ]
+            for r in rounds
+        ],
+    )
+
+    def p(values: list[float], pct: float) -> str:
+        return f"{percentile(values, pct):.2f}"
+
+    section.lines += [""]
+    section.lines += table(
+        ["at scale", "p50 ms", "p95 ms", "max ms"],
+        [
+            [label, f"{median(v):.2f}", p(v, 95), f"{max(v):.2f}"]
+            for label, v in (
+                ("claim of a full key (marked waiting)", scale["full_ms"]),
+                ("outcome that frees a slot + its grant", scale["free_grant_ms"]),
+                ("backstop sweep over every key, none free", scale["sweep_ms"]),
+            )
+        ],
+    )
+    section.lines += [
+        "",
+        f"{scale['keys']:,} keys, {scale['running']:,} RUNNING, {scale['waiting']:,} waiting "
+        f"(before the probes). Plans (EXPLAIN ANALYZE), {scale['seq_scans']} sequential "
+        "scans:",
+        "",
+    ]
+    for label, lines in scale["plans"].items():
+        section.lines += [f"{label}:", "", "```", *lines, "```", ""]
+    section.lines += [f"Load average at the end: {loadavg()}."]
+    section.data = {"rounds": rounds, "scale": scale}
+    return section
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone(run))
