@@ -13,8 +13,11 @@
    key when none is free, and the plans of the statements that count a key's slots
    and read its waiting rows (index scans: a claim never reads the waiting rows).
 
-The end-to-end figures (a worker's throughput with a limit, the time from a free to
-the next start through the broker) are the real-worker test's measured lines.
+3. **With workers.** Two prefork workers of two processes on Redis: the throughput of a
+   no-op task unlimited and with a ``concurrency_limit`` it never reaches (the limited
+   claim is made by the pool process, not ahead in a batch), and, with a limit of 2
+   and short tasks, the time from a run's end (its outcome's commit, database time) to
+   the next waiting row's claim: through the grant, the broker and a pool process.
 """
 
 from __future__ import annotations
@@ -30,12 +33,18 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
+    BROKERS,
     PG_URL,
     Context,
+    Project,
     Section,
+    delete_queue,
+    done_count,
+    done_times,
     lease_config,
     loadavg,
     median,
+    new_queue,
     noop_row,
     percentile,
     pg_backends,
@@ -44,6 +53,7 @@ from _common import (
     proc_cpu_since,
     standalone,
     table,
+    wait_for,
     with_app_name,
 )
 
@@ -211,6 +221,98 @@ def at_scale(ctx: Context) -> dict:
     }
 
 
+JOB = """
+import time
+
+from celery_lease import LeasedTask
+
+
+@app.task(base=LeasedTask, name="bench.job", shared=False{options})
+def job(i, pause):
+    if pause:
+        time.sleep(pause)
+    return i
+"""
+
+
+def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float) -> dict:
+    """N tasks through two prefork workers (2 processes each) on Redis: the rate of
+    completions, and for each run that waited for a slot, end -> next claim."""
+    from sqlalchemy import func, select
+
+    from celery_lease._runtime import runtime
+    from celery_lease.states import State
+
+    queue = new_queue("limits")
+    done = ctx.work_dir / f"done-{uuid.uuid4().hex[:6]}"
+    done.mkdir(parents=True)
+    workers: list[Any] = []
+    with pg_schema("limits_workers") as schema:
+        settings = {
+            "task_default_queue": queue,
+            "lease_database_url": with_app_name(PG_URL),
+            "lease_schema": schema,
+            "lease_auto_migrate": True,
+        }
+        project = Project.write(
+            ctx,
+            broker_url=BROKERS["redis"],
+            settings=settings,
+            source=JOB.format(options=options),
+            env={"BENCH_DONE_DIR": str(done)},
+        )
+        module = project.load()
+        store = runtime(module.app).store
+        store.migrate()
+        try:
+            workers = [
+                project.worker(
+                    queue, pool="prefork", concurrency=2, nodename=f"w{i}@%h", loglevel="INFO"
+                ).start()
+                for i in range(2)
+            ]
+            for worker in workers:
+                worker.wait_ready()
+            ids = [module.job.delay(i, pause).id for i in range(n)]
+            wait_for(
+                lambda: any(w.check_alive() for w in workers) or done_count(done) >= n,
+                ctx.scale(600.0, 120.0),
+                f"limits, {variant}: {n} tasks done",
+            )
+            times = done_times(done)
+            t = store.t.tasks
+            succeeded = select(func.count()).where(t.c.state == State.SUCCEEDED.value)
+
+            def written() -> bool:  # the outcomes are written in batches, a moment later
+                with store.engine.connect() as conn:
+                    return int(conn.execute(succeeded).scalar_one()) >= n
+
+            wait_for(written, 60.0, f"limits, {variant}: {n} outcomes written")
+            spans = []
+            for task_id in ids:
+                trail = store.history(task_id)
+                began = [r.at.timestamp() for r in trail if r.to_state is State.RUNNING]
+                ended = [r.at.timestamp() for r in trail if r.from_state is State.RUNNING]
+                spans.append((began[-1], ended[-1]))
+        finally:
+            for worker in workers:
+                worker.stop()
+            store.dispose()
+            delete_queue(BROKERS["redis"], queue)
+    spans.sort()
+    gaps = []
+    for start, _ in spans:
+        before = [end for _, end in spans if end <= start]
+        if before:  # a claim made after some run ended: a slot it may have waited for
+            gaps.append((start - max(before)) * 1000)
+    return {
+        "variant": variant,
+        "n": n,
+        "rate": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan"),
+        "gaps_ms": gaps,
+    }
+
+
 def run(ctx: Context) -> Section:
     """The cost of concurrency and rate limits in the store."""
     section = Section("limits", "15. Concurrency and rate limits: cost per task, and at scale")
@@ -220,6 +322,18 @@ def run(ctx: Context) -> Section:
         rounds.append(lifecycle(ctx, variant, limit, interval))
     ctx.log("limits: 1,000 keys")
     scale = at_scale(ctx)
+    n_noop = ctx.scale(3000, 40)
+    flows = []
+    for variant, options in (
+        ("unlimited", ""),
+        ("concurrency_limit=1000", ", concurrency_limit=1000"),
+    ):
+        ctx.log(f"limits: workers, {variant}")
+        flows.append(with_workers(ctx, variant, options, n_noop, 0.0))
+    ctx.log("limits: workers, concurrency_limit=2, 20 ms tasks")
+    waited = with_workers(
+        ctx, "concurrency_limit=2", ", concurrency_limit=2", ctx.scale(400, 20), 0.02
+    )
 
     base = rounds[0]
     section.lines += textwrap.dedent(__doc__ or "").strip().splitlines()[2:]
@@ -270,8 +384,30 @@ def run(ctx: Context) -> Section:
     ]
     for label, lines in scale["plans"].items():
         section.lines += [f"{label}:", "", "```", *lines, "```", ""]
+    plain, limited = flows
+    gaps = waited["gaps_ms"]
+    section.lines += table(
+        ["two prefork workers x 2, Redis", "N", "tasks/s", "vs unlimited"],
+        [
+            [r["variant"], f"{r['n']:,}", f"{r['rate']:,.0f}", f"{r['rate'] / plain['rate']:.2f}x"]
+            for r in flows
+        ],
+    )
+    section.lines += [
+        "",
+        f"concurrency_limit=2, {waited['n']:,} tasks of 20 ms: a run's end -> the next "
+        f"claim (database time), over {len(gaps)} claims: p50 {median(gaps):.1f} ms, "
+        f"p95 {percentile(gaps, 95):.1f} ms, max {max(gaps, default=float('nan')):.1f} ms.",
+        "",
+    ]
     section.lines += [f"Load average at the end: {loadavg()}."]
-    section.data = {"rounds": rounds, "scale": scale}
+    section.data = {
+        "rounds": rounds,
+        "scale": scale,
+        "workers": flows,
+        "waited": {"n": waited["n"], "rate": waited["rate"], "gaps_ms": gaps},
+        "limited_vs_plain": limited["rate"] / plain["rate"],
+    }
     return section
 
 

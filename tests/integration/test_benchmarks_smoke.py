@@ -407,7 +407,7 @@ def test_the_limits_benchmark_prints_its_tables(pg_url: str, redis_url: str) -> 
     proc = _run(["bench_limits.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 240)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
-    cost, scale = _tables(proc.stdout)
+    cost, scale, flows = _tables(proc.stdout)
     assert cost[0][:2] == ["variant", "N"]
     assert [row[0] for row in cost[1:]] == [
         "unlimited",
@@ -422,6 +422,10 @@ def test_the_limits_benchmark_prints_its_tables(pg_url: str, redis_url: str) -> 
         "outcome that frees a slot + its grant",
         "backstop sweep over every key, none free",
     ]
+    assert [row[0] for row in flows[1:]] == ["unlimited", "concurrency_limit=1000"]
+    assert all(_number(row[2]) > 0 for row in flows[1:])
+    # the limit of 2 made runs wait: their end -> next claim figures were measured
+    assert re.search(r"over \d+ claims: p50 [\d.]+ ms, p95 [\d.]+ ms", proc.stdout)
     # the claim counts a key's slots and a grant reads its waiting rows by index
     assert "0 sequential scans" in proc.stdout
     assert "Index Only Scan using lease_tasks_slot_running" in proc.stdout
