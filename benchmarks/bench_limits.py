@@ -188,7 +188,7 @@ def at_scale(ctx: Context) -> dict:
                 frees.append(time.perf_counter() - t0)
 
             # the plans: a key's slots counted, its waiting rows read in order
-            count = select(holders(t, "bench.noop", "k=7"))
+            count = select(holders(t, store.t.workers, "bench.noop", "k=7"))
             queue = (
                 select(t.c.id)
                 .where(

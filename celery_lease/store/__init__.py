@@ -402,7 +402,7 @@ class Store(UniqueSubmission, Claims, Outcomes, Sweeps, Operator, Schedules, Sch
                 select(c.c.name).where(
                     c.c.name == t.c.name,
                     c.c.key == t.c.slot_key,
-                    holders(peer, c.c.name, c.c.key) < c.c.max_slots,
+                    holders(peer, w, c.c.name, c.c.key) < c.c.max_slots,
                 )
             ),
             ~exists(

@@ -158,6 +158,11 @@ def retrying(fn: Callable[[bool], T], *, retries: int, url: str, timeout: float 
     raise AssertionError("unreachable")
 
 
+#: States a row can hold a concurrency slot in: leaving one may free a slot (the grant
+#: that follows counts; see :mod:`celery_lease.store._slots`).
+_HOLDING = frozenset({State.RUNNING, State.WAIT_MANUAL})
+
+
 def _close_pool(engine: Engine) -> None:
     """Close the pooled connections of a store that was dropped. Run by the garbage
     collector, so it closes the pool without making a new one: ``Engine.dispose()``
@@ -260,8 +265,9 @@ class StoreBase:
             logger.exception("celery-lease: granting freed concurrency slots failed")
 
     def _note_frees(self, rows: Iterable[Row[Any]]) -> None:
-        """Rows that just left RUNNING: those of limited tasks freed a slot each (the
-        state change is the free, so it happens once, with the fenced write)."""
+        """Rows that just left RUNNING (or WAIT_MANUAL): those of limited tasks freed a
+        slot each (the state change is the free, so it happens once, with the fenced
+        write; a WAIT_MANUAL row held one only after an overrun, and the grant counts)."""
         freed: set[tuple[str, str]] | None = getattr(self._local, "freed", None)
         if freed is None:
             return
@@ -383,8 +389,9 @@ class StoreBase:
         """The conditional UPDATE of a transition (bind parameter ``b_reason``)."""
         states.check(frm, to)
         t = self.t.tasks
-        # a row leaving RUNNING tells whether it held a concurrency slot
-        freeing = (t.c.slot_key,) if frm is State.RUNNING else ()
+        # a row leaving RUNNING (or WAIT_MANUAL, after an overrun whose run went on)
+        # tells whether it held a concurrency slot
+        freeing = (t.c.slot_key,) if frm in _HOLDING else ()
         return (
             update(t)
             .where(state_is(t, frm), *where)
@@ -466,7 +473,7 @@ class StoreBase:
     ) -> list[Row[Any]]:
         stmt, audit = statements
         rows = list(conn.execute(stmt, {**params, "b_reason": reason, "b_actor": actor}).all())
-        if frm is State.RUNNING:
+        if frm in _HOLDING:
             self._note_frees(rows)
         for row in rows:
             self._record_event(
@@ -533,7 +540,7 @@ class StoreBase:
             "b_actor": actor,
         }
         rows = list(conn.execute(stmt, params).all())
-        if frm is State.RUNNING:
+        if frm in _HOLDING:
             self._note_frees(rows)
         for row in rows:
             self._record_event(

@@ -261,7 +261,8 @@ class Claims(Slots):
         where, values, returning = self._claim_spec()
         name = bindparam("b_slot_name", type_=t.c.name.type)
         key = bindparam("b_slot_key", type_=t.c.slot_key.type)
-        used = holders(t, name, key, exclude=bindparam("b_task_id", type_=t.c.id.type))
+        exclude = bindparam("b_task_id", type_=t.c.id.type)
+        used = holders(t, self.t.workers, name, key, exclude=exclude)
         where = [*where, used < bindparam("b_limit", type_=Integer)]
         values = {**values, "slot_key": key, "slot": None}
         return where, values, returning

@@ -3,10 +3,12 @@ counted and taken under one lock per (task name, key), and given to waiting rows
 
 A slot is not a row of its own: the slots in use are the task's RUNNING rows under
 that key, plus the PENDING rows a freed slot was granted to and that are not claimed
-yet. So a slot is freed by the very state change that ends a run (the fenced outcome,
-a retry, the reaper's expiry, an overrun, a claim given back), in its transaction,
-exactly once, and never by a clock; a cancelled waiting or granted row stops counting
-by being cancelled.
+yet, plus the rows an overrun moved to WAIT_MANUAL while their live owner still runs
+them (``overrun``). So a slot is freed by the very state change that ends a run (the
+fenced outcome, a retry, the reaper's expiry, a claim given back, an overrun's run
+seen to end), in its transaction, exactly once; a cancelled waiting or granted row
+stops counting by being cancelled; only an overrun's owner dying frees a slot by the
+clock (its heartbeat past the TTL), and the reaper's backstop then grants it.
 
 Taking one is serialized per (name, key) by the row of the ``concurrency`` table:
 
@@ -49,7 +51,7 @@ from sqlalchemy.sql.dml import Insert
 from ..states import State
 from ._base import StoreBase, state_is
 from ._types import Publishable, Slot, SlotUsage, Waiting
-from .schema import db_now, seconds_between
+from .schema import after, db_now, seconds_between
 
 #: ``tasks.slot`` of a PENDING row whose delivery found no slot: acked, not in the broker.
 WAITING = "waiting"
@@ -57,6 +59,10 @@ WAITING = "waiting"
 GRANTED = "granted"
 
 
+#: ``tasks.slot`` of a row an overrun moved to WAIT_MANUAL (``max_runtime``) while its
+#: owner kept running it: it holds its slot while that owner is alive, until its
+#: outcome (accepted) or a person moves it, or its run is seen to end without one.
+OVERRUN = "overrun"
 #: ``tasks.slot`` of a PENDING row paced by its task's ``global_rate_limit``: a start of
 #: its key was reserved for it, at its ETA, where it is published (or held) for it.
 PACED = "paced"
@@ -89,16 +95,33 @@ def _queued(t: Any, slot: str) -> list[ColumnElement[bool]]:
     ]
 
 
-def holders(t: Any, name: Any, key: Any, exclude: Any = None) -> ColumnElement[int]:
-    """The slots in use under (``name``, ``key``): RUNNING rows and rows granted one
-    (not ``exclude``, the row asking: a row granted a slot takes its own)."""
+def holders(t: Any, w: Any, name: Any, key: Any, exclude: Any = None) -> ColumnElement[int]:
+    """The slots in use under (``name``, ``key``): RUNNING rows, rows granted one (not
+    ``exclude``, the row asking: a row granted a slot takes its own), and rows moved to
+    WAIT_MANUAL by an overrun while their owner, alive, may still be running them
+    (``t``: the tasks table or an alias of it; ``w``: the workers table)."""
     running = select(func.count()).where(t.c.name == name, t.c.slot_key == key, *_running(t))
     granted = select(func.count()).where(
         t.c.name == name, t.c.slot_key == key, *_queued(t, GRANTED)
     )
     if exclude is not None:
         granted = granted.where(t.c.id != exclude)
-    return running.scalar_subquery() + granted.scalar_subquery()
+    w = w.alias("slot_owner")  # never correlated to a workers table of the outer query
+    overrun = select(func.count()).where(
+        t.c.name == name,
+        t.c.slot_key == key,
+        t.c.slot.is_not(None),
+        t.c.slot == literal_column(f"'{OVERRUN}'"),
+        state_is(t, State.WAIT_MANUAL),
+        select(w.c.id)
+        .where(
+            w.c.id == t.c.owner,
+            w.c.stopped_at.is_(None),
+            after(w.c.heartbeat_at, t.c.lease_ttl) >= db_now(),
+        )
+        .exists(),
+    )
+    return running.scalar_subquery() + granted.scalar_subquery() + overrun.scalar_subquery()
 
 
 class Slots(StoreBase):
@@ -164,7 +187,8 @@ class Slots(StoreBase):
         limit = conn.execute(q).scalar()
         if limit is None:
             return []
-        free = int(limit) - int(conn.execute(select(holders(t, name, key))).scalar_one())
+        used = holders(t, self.t.workers, name, key)
+        free = int(limit) - int(conn.execute(select(used)).scalar_one())
         if free <= 0:
             return []
         waiting = (
@@ -214,7 +238,7 @@ class Slots(StoreBase):
         peer = t.alias("peer")
         q = (
             select(c.c.name, c.c.key)
-            .where(has_waiting, holders(peer, c.c.name, c.c.key) < c.c.max_slots)
+            .where(has_waiting, holders(peer, self.t.workers, c.c.name, c.c.key) < c.c.max_slots)
             .order_by(c.c.served_at.is_not(None), c.c.served_at, c.c.name, c.c.key)
             .limit(batch)
         )
@@ -286,4 +310,13 @@ class Slots(StoreBase):
         ]
 
 
-__all__ = ["GRANTED", "PACED", "WAITING", "Slots", "holders", "paced_reason", "waiting_reason"]
+__all__ = [
+    "GRANTED",
+    "OVERRUN",
+    "PACED",
+    "WAITING",
+    "Slots",
+    "holders",
+    "paced_reason",
+    "waiting_reason",
+]

@@ -35,6 +35,7 @@ from .. import policy
 from ..config import MAX_SECONDS
 from ..states import STEP_STARTED, State
 from ._base import StoreBase, state_is
+from ._slots import OVERRUN
 from ._types import Expiry, FollowUps, Held, Lease, Peer, Publishable
 from .schema import (
     after,
@@ -123,6 +124,8 @@ class Sweeps(StoreBase):
             if self.is_pg:
                 q = q.with_for_update(of=t, skip_locked=True)
             candidates = [(str(c.id), c.token) for c in conn.execute(q).all()]
+            if not only_expired and (task_ids is not None or owners is not None):
+                self._end_overruns(conn, task_ids, owners, attempt, claimed_before)
             return self._expire_batch(conn, candidates, actor=actor, reason=reason)
 
         return self._tx(op)
@@ -231,6 +234,33 @@ class Sweeps(StoreBase):
         rows = self._read(lambda conn: conn.execute(q).all())
         return [(str(r.id), int(r.attempt)) for r in rows]
 
+    def _end_overruns(
+        self,
+        conn: Connection,
+        task_ids: Sequence[str] | None,
+        owners: Sequence[str] | None,
+        attempt: int | None,
+        claimed_before: float | None,
+    ) -> None:
+        """The runs these expiries name ended (a pool child lost, a worker stopping or
+        restarted): those that an overrun had moved to WAIT_MANUAL, still holding their
+        slot, give it back (the row stays WAIT_MANUAL: a person decides)."""
+        t = self.t.tasks
+        q = update(t).where(
+            t.c.state == State.WAIT_MANUAL.value, t.c.slot.is_not(None), t.c.slot == OVERRUN
+        )
+        if task_ids is not None:
+            q = q.where(t.c.id.in_(task_ids))
+        if owners is not None:
+            q = q.where(t.c.owner.in_(owners))
+        if attempt is not None:
+            q = q.where(t.c.attempt == attempt)
+        if claimed_before is not None:
+            age = max(0.0, time.monotonic() - claimed_before)
+            q = q.where(t.c.started_at < after(db_now(), -age))
+        rows = conn.execute(q.values(slot=None).returning(t.c.name, t.c.slot_key)).all()
+        self._note_frees(rows)
+
     def overrun(self, *, actor: str, limit: int | None = None) -> list[str]:
         """RUNNING rows with a live lease but no progress for ``max_runtime`` -> WAIT_MANUAL.
 
@@ -263,6 +293,17 @@ class Sweeps(StoreBase):
             ]
             rows = self._move_each(conn, State.RUNNING, moves, actor=actor, stamps={})
             moved = {str(r.id) for r in rows}
+            if moved:
+                # a limited task's run goes on: its slot stays taken while its owner lives
+                conn.execute(
+                    update(t)
+                    .where(
+                        t.c.id.in_(sorted(moved)),
+                        t.c.state == State.WAIT_MANUAL.value,
+                        t.c.slot_key.is_not(None),
+                    )
+                    .values(slot=OVERRUN)
+                )
             return [task_id for task_id, _, _ in moves if task_id in moved]
 
         return self._tx(op)

@@ -239,6 +239,67 @@ def test_lease_check_reports_a_row_left_waiting_while_its_key_has_a_free_slot(st
     assert reported(0.0) == []  # granted
 
 
+def overrun_one(store: Store) -> tuple[Claim, str, str]:
+    """A limit of 1: row ``a`` claimed and moved to WAIT_MANUAL by an overrun (its
+    owner alive, still running it), row ``b`` delivered and waiting; (a's claim, b, the
+    owner)."""
+    owner = register(store)
+    slot = Slot(NAME, "t", 1)
+    a, b = submit(store, 2)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    t = store.t.tasks
+    with store.engine.begin() as conn:  # no progress for longer than its max_runtime
+        conn.execute(
+            update(t)
+            .where(t.c.id == a)
+            .values(max_runtime=1.0, progress_at=after(t.c.progress_at, -60.0))
+        )
+    assert store.overrun(actor="reaper") == [a]
+    assert store.get(a).state is S.WAIT_MANUAL  # type: ignore[union-attr]
+    return first, b, owner
+
+
+def test_an_overrun_keeps_its_slot_while_its_run_goes_on_and_frees_it_with_its_outcome(store):
+    freed = Freed(store)
+    first, b, owner = overrun_one(store)
+    # the overrun's run goes on in its live worker: the slot is still taken
+    refused = store.claim(b, owner, "w", slot=Slot(NAME, "t", 1))
+    assert isinstance(refused, Refusal) and refused.waiting
+    assert store.take_waiting() == []
+    # and the checker agrees: a row waiting for a slot that is taken is no violation
+    assert [v for v in check(store, grace=0.0) if v.kind == "waiting_with_free_slot"] == []
+    (usage,) = store.slot_usage()
+    assert (usage.running, usage.waiting) == (0, 1)
+    # its outcome is accepted from WAIT_MANUAL, and that frees the slot
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done late")
+    assert (NAME, "t") in freed.pairs
+    assert [p.id for p in store.grant([(NAME, "t")])] == [b]
+
+
+def test_an_overrun_gives_its_slot_back_when_its_run_is_seen_to_end_or_its_owner_stops(store):
+    first, b, owner = overrun_one(store)
+    assert isinstance(store.claim(b, owner, "w", slot=Slot(NAME, "t", 1)), Refusal)
+    # the pool child running it died: the worker's expiry of that attempt ends the hold
+    store.expire(
+        actor="w",
+        reason="child lost",
+        task_ids=[first.lease.task_id],
+        owners=[owner],
+        attempt=1,
+        only_expired=False,
+    )
+    assert store.get(first.lease.task_id).state is S.WAIT_MANUAL  # type: ignore[union-attr]
+    assert [p.id for p in store.take_waiting()] == [b]
+
+
+def test_an_overrun_whose_owner_stopped_holds_no_slot(store):
+    _, b, owner = overrun_one(store)
+    assert isinstance(store.claim(b, owner, "w", slot=Slot(NAME, "t", 1)), Refusal)
+    store.stop_worker(owner, "gone")
+    assert [p.id for p in store.take_waiting()] == [b]
+
+
 def test_a_lower_limit_from_new_code_applies_to_rows_already_waiting(store):
     owner = register(store)
     a, b, c = submit(store, 3)

@@ -17,7 +17,8 @@ from celery import Celery
 
 from celery_lease import ConfigurationError, InvalidSubmission, LeasedTask, State
 
-from ..crash.support import LeaseEnv, pg_only, report
+from ..crash.support import TASKS, LeaseEnv, pg_only, released, report
+from ..helpers import wait_until
 
 S = State
 
@@ -145,6 +146,50 @@ def test_limits_hold_across_workers_and_each_free_starts_a_waiting_row(
     usage = {(u.name, u.key): u for u in p.store.slot_usage()}
     assert usage[("c.report", "")].limit == 2
     assert all(u.running == u.granted == u.waiting == 0 for u in usage.values())
+
+
+OVERRUN_SOURCE = (
+    TASKS
+    + """
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    shared=False,
+    name="t.limited_overrun",
+    max_runtime=1.0,
+    concurrency_limit=1,
+)
+def limited_overrun(self, key, gate=None):
+    return body(self, key, gate)
+"""
+)
+
+
+@pg_only()
+def test_an_overrun_holds_its_slot_until_its_run_ends(lease_env: LeaseEnv, redis_url: str) -> None:
+    # a limit of 1: the first run overruns max_runtime (WAIT_MANUAL, left running at its
+    # gate); the second delivery waits for the slot, and runs only after the first ends
+    p = lease_env.project(broker_url=redis_url, source=OVERRUN_SOURCE)
+    p.worker(concurrency=2)
+    gate = p.gates.hold("gate")
+    with released(p.gates, gate):
+        first = p.submit("t.limited_overrun", "a", gate)
+        p.wait_state(first, S.WAIT_MANUAL, timeout=30)
+        second = p.submit("t.limited_overrun", "b")
+        wait_until(
+            lambda: "waiting for a slot" in (p.get(second).reason or ""),  # type: ignore[union-attr]
+            timeout=30,
+            message="the second delivery never waited for the slot",
+        )
+        assert p.get(second).state is S.PENDING  # type: ignore[union-attr]
+        assert lease_env.external.count("start:b") == 0
+    # the first run ends: its outcome is accepted, which frees the slot for the second
+    p.wait_state(first, S.SUCCEEDED, timeout=30)
+    p.wait_state(second, S.SUCCEEDED, timeout=30)
+    ended = [r.at for r in p.store.history(first) if r.to_state is S.SUCCEEDED]
+    began = [r.at for r in p.store.history(second) if r.to_state is S.RUNNING]
+    assert len(ended) == 1 and len(began) == 1 and began[0] >= ended[0]
 
 
 @pytest.mark.parametrize(
