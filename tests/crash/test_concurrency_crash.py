@@ -1,4 +1,4 @@
-"""Crash-point matrix rows 27 and 28, for a task with a concurrency limit.
+"""Crash-point matrix rows 27, 28 and 37, for a task with a concurrency limit.
 
 - Row 27: a worker SIGKILLed while its task holds a slot. The slot is freed only by the
   reaper's decision (the lease's expiry, once the dead owner's heartbeat is a TTL old),
@@ -7,6 +7,9 @@
 - Row 28: a worker frozen (SIGSTOP) while its task holds the slot, thawed after the
   slot went to the task's next attempt: its late outcome is fenced off and frees
   nothing, so a row waiting for the slot still waits until the attempt holding it ends.
+- Row 37: the database unreachable while a row waits for the slot: the holder's
+  outcome, the free, is kept and written when the database answers, and the waiting
+  row starts only then.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import pytest
 from celery_lease import State
 
 from ..helpers import wait_until
-from .support import TASKS, LeaseEnv, released
+from .faults import proxy_to_postgres
+from .support import TASKS, LeaseEnv, pg_only, released
+
+DATABASE_URL_ENV = "TEST_CONF_LEASE_DATABASE_URL"
 
 SOURCE = (
     TASKS
@@ -164,3 +170,46 @@ def test_a_frozen_slot_holders_late_outcome_frees_nothing(
     assert started.at >= outcomes[1].at  # after the attempt holding the slot ended
     assert lease_env.external.count("done:two") == 1
     assert frozen.is_alive()
+
+
+@pg_only()
+def test_row37_database_unreachable_while_rows_wait_for_a_slot(
+    lease_env: LeaseEnv, redis_url: str
+) -> None:
+    # the worker reaches PostgreSQL through a proxy the test cuts while one task holds
+    # the only slot and another waits for it; the holder finishes during the outage: its
+    # outcome (the free) is kept and written once the database answers, and only then
+    # does the waiting task start. A TTL longer than the outage: the worker does not
+    # fence itself, so the holder runs once
+    p = lease_env.project(
+        broker_url=redis_url, source=SOURCE, ttl=20.0, settings={"lease_db_timeout": 1.0}
+    )
+    with proxy_to_postgres() as proxy:
+        worker = p.worker(
+            concurrency=2, env={DATABASE_URL_ENV: proxy.url(p.store.config.database_url)}
+        )
+        gate = p.gates.hold("gate")
+        with released(p.gates, gate):
+            holder = p.submit("t.limited", "one", gate)
+            p.wait_count("start:one", 1)
+            waiter = p.submit("t.limited", "two")
+            wait_until(
+                lambda: "waiting for a slot" in (p.get(waiter).reason or ""),  # type: ignore[union-attr]
+                timeout=30,
+                message="the second task never waited for the slot",
+            )
+            proxy.cut()
+        # the holder finished with the database away: its outcome is kept, not lost
+        p.wait_log(worker, r"outcome writer: .* 1 outcomes kept, retrying", timeout=30)
+        assert p.get(holder).state is State.RUNNING  # type: ignore[union-attr]
+        assert p.get(waiter).state is State.PENDING  # type: ignore[union-attr]
+        assert lease_env.external.count("start:two") == 0
+        proxy.restore()
+        first = p.wait_state(holder, State.SUCCEEDED, timeout=60)
+        second = p.wait_state(waiter, State.SUCCEEDED, timeout=60)
+        assert worker.is_alive()
+    assert (first.attempt, second.attempt) == (1, 1)
+    for key in ("one", "two"):
+        assert lease_env.external.count(f"done:{key}") == 1
+    spans = running_spans(p, [holder, waiter])
+    assert all(b[0] >= a[1] for a, b in itertools.pairwise(spans)), spans
