@@ -20,11 +20,13 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from sqlalchemy import update
 
 import celery_lease.store as store_package
 from celery_lease.exceptions import IllegalTransition, TaskNotFound
 from celery_lease.states import State
 from celery_lease.store import Claim, Lease, NewTask, Refusal, Store
+from celery_lease.store.schema import after, db_now
 
 from ..helpers import check_audit, discard_unpublished, submit_in_process, wait_until
 
@@ -699,8 +701,9 @@ def to_retry_wait(store: Store, task_id: str) -> None:
 def test_schedule_retry_is_pending_at_once_and_due_in_database_time(store):
     task_id, lease, owner = running(store)
     message = '{"v": 1, "retry": true}'
+    # due in a minute: however slow the machine, the claim below comes before it
     assert store.schedule_retry(
-        lease, 1.0, actor="worker", reason="retry: timeout", error="TimeoutError", message=message
+        lease, 60.0, actor="worker", reason="retry: timeout", error="TimeoutError", message=message
     )
     record = store.get(task_id)
     # the worker publishes the retry's message itself: no reaper sweep in between
@@ -711,13 +714,11 @@ def test_schedule_retry_is_pending_at_once_and_due_in_database_time(store):
     assert store.take_due_retries(actor="reaper") == []
     early = store.claim(task_id, owner, "worker:w1@host")
     assert isinstance(early, Refusal) and early.early  # before its ETA, by database time
-
-    def due() -> Claim | None:
-        got = store.claim(task_id, owner, "worker:w1@host")
-        return got if isinstance(got, Claim) else None
-
-    got = wait_until(due, message="retry due")
-    assert got.retries == 1 and got.lease.attempt == 2
+    t = store.t.tasks
+    with store.engine.begin() as conn:  # the database's clock passes the ETA
+        conn.execute(update(t).where(t.c.id == task_id).values(eta=after(db_now(), -0.001)))
+    got = store.claim(task_id, owner, "worker:w1@host")
+    assert isinstance(got, Claim) and got.retries == 1 and got.lease.attempt == 2
 
 
 def test_a_requeued_retry_is_recorded_published_and_keeps_its_message(store):
@@ -1210,8 +1211,6 @@ def test_audit_trail_of_a_full_life(store):
 
 def test_audit_check_catches_a_state_changed_without_an_audit_row(store):
     task_id = submit(store)
-    from sqlalchemy import update
-
     with store.engine.begin() as conn:
         conn.execute(
             update(store.t.tasks).where(store.t.tasks.c.id == task_id).values(state="RUNNING")
