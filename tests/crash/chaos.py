@@ -217,6 +217,19 @@ def dedup(self, key):
     return self.step("s0", effect, self, key, "s0", idempotent=True)
 
 
+@app.task(
+    base=LeasedTask, bind=True, name="soak.limited", concurrency_limit=1, concurrency_key="group"
+)
+def limited(self, key, steps, pause, group):
+    """``idem``, one RUNNING at a time per group, across the workers."""
+    begin(key)
+    out = []
+    for i in range(steps):
+        out.append(self.step(f"s{i}", effect, self, key, f"s{i}", idempotent=True))
+        time.sleep(pause)
+    return out
+
+
 @app.task(base=LeasedTask, bind=True, name="soak.follow")
 def follow(self, previous, key, name):
     """A chain step, ``link=`` callback or chord callback: one idempotent effect, keyed by
@@ -240,6 +253,8 @@ KINDS: dict[str, tuple[str, int]] = {
     "chain": ("soak.retry", 8),
     "link": ("soak.idem", 6),
     "chord": ("soak.idem", 5),
+    # one at a time per group (two groups): deliveries wait for the slot
+    "limited": ("soak.limited", 12),
 }
 #: Kinds whose heads have follow-ups (see :meth:`Soak.submit_linked`).
 LINKED = ("chain", "link", "chord")
@@ -324,6 +339,8 @@ def make_plan(opts: Options) -> Plan:
         cancel_after = None
         if kind in ("idem", "link", "chord"):
             args = (key, rng.randint(2, 4), round(rng.uniform(0.05, 0.4), 2))
+        elif kind == "limited":
+            args = (key, rng.randint(2, 4), round(rng.uniform(0.1, 0.5), 2), f"g{i % 2}")
         elif kind == "chain":
             args = (key, rng.randint(1, 2))
         elif kind == "nonidem":

@@ -77,6 +77,7 @@ ALLOWED: dict[str, frozenset[State]] = {
     "chain": frozenset({State.SUCCEEDED}),
     "link": frozenset({State.SUCCEEDED}),
     "chord": frozenset({State.SUCCEEDED}),
+    "limited": frozenset({State.SUCCEEDED}),
 }
 
 #: kind -> what a FAILED row's reason or error says when the task failed by its own logic
@@ -96,6 +97,7 @@ _DONE_STEPS: dict[str, Callable[[tuple[Any, ...]], list[str]]] = {
     "chain": lambda args: [f"r{i}" for i in range(int(args[1]) + 1)],
     "link": lambda args: [f"s{i}" for i in range(int(args[1]))],
     "chord": lambda args: [f"s{i}" for i in range(int(args[1]))],
+    "limited": lambda args: [f"s{i}" for i in range(int(args[1]))],
 }
 
 # -- what happened ------------------------------------------------------------------------
@@ -148,6 +150,9 @@ class Report:
     lost_followups: list[str] = dataclasses.field(default_factory=list)
     #: follow-ups that ran more than once, or although a predecessor did not succeed
     repeated_followups: list[str] = dataclasses.field(default_factory=list)
+    #: limited tasks (``soak.limited``), and the most RUNNING at once in one group
+    limited: int = 0
+    limited_peak: int = 0
     #: fault kind -> seconds from the fault to each affected task's next attempt
     recovery: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     #: fault kind -> affected tasks that needed no new attempt
@@ -206,6 +211,9 @@ class Report:
             f"| {len(self.followups)} |",
             f"| lost follow-ups (must be 0) | {len(self.lost_followups)} |",
             f"| repeated follow-ups (must be 0) | {len(self.repeated_followups)} |",
+            f"| limited tasks (one at a time per group) | {self.limited} |",
+            f"| most RUNNING at once in one group (must be at most {LIMIT}) | "
+            f"{self.limited_peak} |",
             f"| idempotent calls answered from their key | {self.idempotent_replays} |",
             f"| chaos wall time | {self.chaos_wall:.1f} s |",
             f"| end of schedule -> every task settled | {self.settle_wall:.1f} s |",
@@ -296,6 +304,7 @@ def verify(project: LeasedProject, report: Report) -> None:
             )
     _verify_effects(project, report, records)
     _verify_followups(project, report, records)
+    _verify_limits(project, report)
     try:
         check_audit(store, list(records))
     except AssertionError as error:
@@ -303,6 +312,40 @@ def verify(project: LeasedProject, report: Report) -> None:
     found = check(store, liveness=False)
     v.extend(f"check: {violation}" for violation in found)
     _recovery(project, report)
+
+
+#: The concurrency limit of ``soak.limited`` per group (see :data:`chaos.SOURCE`).
+LIMIT = 1
+
+
+def _verify_limits(project: LeasedProject, report: Report) -> None:
+    """The limited tasks' RUNNING spans in the audit trail (database time): never more
+    than the limit at once per group, whatever was killed or frozen meanwhile."""
+    spans: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for task_id, kind in report.kinds.items():
+        if kind != "limited":
+            continue
+        report.limited += 1
+        group = str(report.args[task_id][3])
+        began = None
+        for r in project.store.history(task_id):
+            if r.to_state is State.RUNNING:
+                began = r.at.timestamp()
+            elif r.from_state is State.RUNNING and began is not None:
+                # an end at the same instant as a start closes first
+                spans[group] += [(began, 1), (r.at.timestamp(), -1)]
+                began = None
+    for group, events in sorted(spans.items()):
+        running = most = 0
+        for _, step in sorted(events):
+            running += step
+            most = max(most, running)
+        report.limited_peak = max(report.limited_peak, most)
+        if most > LIMIT:
+            report.violations.append(
+                f"concurrency limit of soak.limited[group={group}] exceeded: {most} RUNNING "
+                f"at once, the limit is {LIMIT}"
+            )
 
 
 def _verify_effects(project: LeasedProject, report: Report, records: dict[str, TaskRecord]) -> None:
