@@ -103,6 +103,8 @@ class LeasedTask(Task[Any, Any]):
 
     #: The concurrency options above, checked when the task is bound to an app.
     _concurrency: ClassVar[_slots.Limit | None] = None
+    #: An invalid option found when the task was bound (see :meth:`on_bound`).
+    _option_error: ClassVar[ConfigurationError | None] = None
 
     #: The uniqueness options above, checked when the task is bound to an app.
     _unique: ClassVar[Unique] = Unique()
@@ -118,11 +120,18 @@ class LeasedTask(Task[Any, Any]):
         plain groups of leased tasks into bulk writes: :mod:`.producer.group_batches`),
         and record the task among the app's leased ones (the worker fences itself after
         the shortest TTL)."""
-        # checked here, when the task is made: a bad option fails at decoration
-        cls._unique = check_unique(
-            f"task {cls.name}", cls.unique_for, cls.unique_while, cls.on_conflict, task=True
-        )
-        cls._concurrency = _slots.check(cls)
+        # checked when the task binds, and kept rather than raised here (in a worker, a
+        # binding error would end Celery's start-up with a traceback): each submission
+        # raises it, and a worker of this app refuses to start with it (exit 78, naming
+        # the task and the option), as for an invalid lease_ttl
+        try:
+            cls._unique = check_unique(
+                f"task {cls.name}", cls.unique_for, cls.unique_while, cls.on_conflict, task=True
+            )
+            cls._concurrency = _slots.check(cls)
+            cls._option_error = None
+        except ConfigurationError as error:
+            cls._option_error = error
         rt = install(app)
         # the slots a commit of this process frees go to waiting rows, published at once
         rt.add_store_hook(_slots.attach)
@@ -141,6 +150,8 @@ class LeasedTask(Task[Any, Any]):
         return options
 
     def _check_lease_options(self, config: LeaseConfig) -> LeaseOptions:
+        if self._option_error is not None:
+            raise self._option_error
         ttl = (
             check_seconds(f"task {self.name}: lease_ttl", self.lease_ttl)
             if self.lease_ttl is not None

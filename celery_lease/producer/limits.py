@@ -155,6 +155,15 @@ def check_arguments_size(
         raise ArgumentsTooLarge(biggest, size, args_max_bytes, task_name)
 
 
+def checked_option(task: object, name: str) -> object:
+    """A leased task's option checked when it was bound (``_unique``,
+    ``_concurrency``), or the :class:`ConfigurationError` found then, raised."""
+    error = getattr(task, "_option_error", None)
+    if error is not None:
+        raise error
+    return getattr(task, name, None)
+
+
 def check_unique(
     where: str,
     unique_for: object,

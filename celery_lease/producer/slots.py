@@ -1,4 +1,4 @@
-"""A task's concurrency limit: its options checked when the task is made, the key of
+"""A task's concurrency limit: its options checked when the task binds, the key of
 each submission and delivery, and the slots a commit freed granted to waiting rows and
 published at once.
 
@@ -29,7 +29,7 @@ from celery import Celery
 from ..exceptions import ConfigurationError, InvalidSubmissionType, InvalidSubmissionValue
 from ..store import Slot, Store
 from . import publisher as _publisher
-from .limits import MAX_KEY_CHARS, check_key
+from .limits import MAX_KEY_CHARS, check_key, checked_option
 
 #: A concurrency key: an argument's name, or a callable of (args, kwargs).
 KeySpec = str | Callable[[tuple[Any, ...], dict[str, Any]], str] | None
@@ -248,5 +248,5 @@ def release_waiting(app: Celery, store: Store, *, limit: int | None = None) -> i
 def limit_of(task: Any) -> Limit | None:
     """The checked concurrency options of a task object (``None``: none, or not a
     leased task)."""
-    found = getattr(task, "_concurrency", None)
+    found = checked_option(task, "_concurrency")
     return found if isinstance(found, Limit) else None

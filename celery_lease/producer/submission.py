@@ -46,7 +46,7 @@ from ..exceptions import DuplicateSubmission, InvalidSubmissionValue, NotSeriali
 from ..store import Lease, LeaseOptions, NewTask, Replacement, Unique, dumps
 from . import message as _message
 from . import slots as _slots
-from .limits import check_arguments_size, check_submission, check_unique
+from .limits import check_arguments_size, check_submission, check_unique, checked_option
 
 #: apply_async options kept in the row so that a re-published message is routed the same way.
 _ROUTING_OPTIONS = ("queue", "routing_key", "exchange", "priority")
@@ -306,7 +306,8 @@ def uniqueness(
                 name, f"task {task.name}: {name} is given without a dedup_key: it applies to one"
             )
         return None
-    default: Unique = getattr(task, "_unique", None) or Unique()
+    found = checked_option(task, "_unique")
+    default: Unique = found if isinstance(found, Unique) else Unique()
     if not given:
         return default
     return check_unique(
@@ -617,7 +618,8 @@ def submit_many(
             f"task {task.name}: submit_many() does not take {given[0]}: submit such tasks "
             "with apply_async",
         )
-    default: Unique | None = getattr(task, "_unique", None)
+    found = checked_option(task, "_unique")
+    default = found if isinstance(found, Unique) else None
     plain = default is None or default.plain
     batch = _Batch(task.app)
     for index, (args, kwargs, extra) in enumerate(_items(items)):

@@ -3,7 +3,7 @@ two processes each run a task limited to 2 at once and a task limited to 1 per t
 from the recorded start and end of every run (the task's own, and the audit trail's in
 database time) the limit is never exceeded. No reaper runs: every waiting row is
 started by the worker whose outcome freed a slot, not by a sweep. Bad options and
-keys fail at decoration or submission and write nothing.
+keys fail at submission and write nothing (and stop a worker at start-up).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import pytest
 from celery import Celery
 
 from celery_lease import ConfigurationError, InvalidSubmission, LeasedTask, State
+from celery_lease.config import from_mapping
+from celery_lease.producer.slots import limit_of
 
 from ..crash.support import TASKS, LeaseEnv, pg_only, released, report
 from ..helpers import wait_until
@@ -210,15 +212,22 @@ def test_an_overrun_holds_its_slot_until_its_run_ends(lease_env: LeaseEnv, redis
         ({"global_rate_limit": "10/m", "concurrency_limit": 0}, "concurrency_limit"),
     ],
 )
-def test_bad_options_fail_at_decoration(options: dict[str, Any], match: str) -> None:
+def test_bad_options_are_refused_at_submission_naming_the_task(
+    options: dict[str, Any], match: str
+) -> None:
+    # binding keeps the error (a worker of the app refuses to start with it: exit 78,
+    # tests/integration/test_durations.py); every submission path raises it
     app = Celery("bad", set_as_current=False)
+
+    @app.task(base=LeasedTask, shared=False, name="bad.task", **options)
+    def task(tenant: int, x: int = 0) -> None:
+        pass
+
+    app.finalize()
+    with pytest.raises(ConfigurationError, match=rf"task bad\.task: .*{match}"):
+        task.lease_options(from_mapping(app.conf))
     with pytest.raises(ConfigurationError, match=match):
-
-        @app.task(base=LeasedTask, shared=False, name="bad.task", **options)
-        def task(tenant: int, x: int = 0) -> None:
-            pass
-
-        app.finalize()
+        limit_of(task)  # what apply_async, submit_many and the outbox check first
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # checked before any write

@@ -34,6 +34,9 @@ sqlite_only = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
     [
         ("lease_ttl=0.2", "task t.bad: lease_ttl (0.2) must be longer than"),
         ("max_runtime=float('inf')", "task t.bad: max_runtime must be a number of seconds"),
+        ("global_rate_limit='5/d'", "task t.bad: global_rate_limit must be a positive number"),
+        ("concurrency_limit=0", "task t.bad: concurrency_limit must be a positive whole number"),
+        ("unique_for=-5", "task t.bad: unique_for"),
     ],
 )
 def test_a_worker_with_an_invalid_task_option_exits_78_naming_it(

@@ -26,6 +26,8 @@ from celery_lease import (
     LeasedTask,
     State,
 )
+from celery_lease.config import from_mapping
+from celery_lease.producer.submission import uniqueness
 from celery_lease.store import Claim, NewTask, Refusal, Replacement, Store, Unique
 from celery_lease.store.schema import after, db_now
 
@@ -335,15 +337,21 @@ def test_bad_options_fail_before_anything_is_written(project: Any) -> None:
         {"on_conflict": "merge"},
     ],
 )
-def test_bad_task_options_fail_at_decoration(options: dict[str, Any]) -> None:
+def test_bad_task_options_are_refused_at_submission(options: dict[str, Any]) -> None:
+    # binding keeps the error (a worker of the app refuses to start with it: exit 78,
+    # tests/integration/test_durations.py); a submission raises it before any write
     app = Celery("bad", set_as_current=False)
-    with pytest.raises(ConfigurationError, match=next(iter(options))):
 
-        @app.task(base=LeasedTask, shared=False, name="bad.task", **options)
-        def task() -> None:
-            pass
+    @app.task(base=LeasedTask, shared=False, name="bad.task", **options)
+    def task() -> None:
+        pass
 
-        app.finalize()
+    app.finalize()
+    name = next(iter(options))
+    with pytest.raises(ConfigurationError, match=name):
+        task.lease_options(from_mapping(app.conf))
+    with pytest.raises(ConfigurationError, match=name):
+        uniqueness(task, "k")  # what apply_async with a dedup_key checks first
 
 
 @pytest.mark.parametrize("broker_url", ["redis", "amqp"], indirect=True)
