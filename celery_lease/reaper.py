@@ -159,6 +159,10 @@ class Reaper:
         for _ in range(MAX_BATCHES):
             if self.store.purge_tombstones() < cfg.retention_batch_size:
                 break
+        # the lock rows of concurrency and rate-limit keys nothing uses any more
+        for _ in range(MAX_BATCHES):
+            if self.store.purge_idle_keys() < cfg.retention_batch_size:
+                break
         if cfg.retention is None:
             return 0
         for _ in range(MAX_BATCHES):

@@ -40,10 +40,15 @@ from sqlalchemy import (
     Connection,
     Integer,
     String,
+    and_,
     bindparam,
+    delete,
     func,
     literal_column,
+    not_,
+    or_,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.sql.dml import Insert
@@ -52,6 +57,11 @@ from ..states import State
 from ._base import StoreBase, state_is
 from ._types import Publishable, Slot, SlotUsage, Waiting
 from .schema import after, db_now, seconds_between
+
+#: A key's row is marked used by a claim at most this often (seconds).
+KEY_TOUCH_EVERY = 60.0
+#: A key's row unused for this long, and used by no row, is deleted (seconds).
+KEY_IDLE_FOR = 3600.0
 
 #: ``tasks.slot`` of a PENDING row whose delivery found no slot: acked, not in the broker.
 WAITING = "waiting"
@@ -135,11 +145,15 @@ class Slots(StoreBase):
             max_slots=bindparam("b_limit", type_=Integer),
             updated_at=db_now(),
         )
-        # a conflict locks the row even when the limit is unchanged and nothing is written
+        # a conflict locks the row even when nothing is written: it is written when the
+        # limit changed, or to mark the key used, at most every KEY_TOUCH_EVERY seconds
         return stmt.on_conflict_do_update(
             index_elements=[c.c.name, c.c.key],
             set_={"max_slots": stmt.excluded.max_slots, "updated_at": db_now()},
-            where=c.c.max_slots != stmt.excluded.max_slots,
+            where=or_(
+                c.c.max_slots != stmt.excluded.max_slots,
+                c.c.updated_at < after(db_now(), -KEY_TOUCH_EVERY),
+            ),
         )
 
     def lock_slot(self, conn: Connection, slot: Slot) -> None:
@@ -244,6 +258,61 @@ class Slots(StoreBase):
         )
         pairs = [(str(r.name), str(r.key)) for r in self._read(lambda conn: conn.execute(q).all())]
         return self.grant(pairs)
+
+    def purge_idle_keys(self, *, limit: int | None = None) -> int:
+        """Delete one batch of ``concurrency`` rows that nothing uses: no claim of the
+        key for :data:`KEY_IDLE_FOR` seconds (a claim marks it used every
+        :data:`KEY_TOUCH_EVERY`), no row of the key RUNNING, waiting, granted, paced or
+        overrun, and its next start (a rate limit) past. Nothing is lost with them: the
+        next claim of the key records its code's limit again, and a next start that
+        has passed means "now". Keys of one tenant each would otherwise add a row per
+        tenant ever seen. How many were deleted.
+
+        Candidates are read, then locked (PostgreSQL: ``FOR UPDATE SKIP LOCKED``; a
+        claim, a grant or a pacing of the key takes the same lock), then checked again
+        and deleted in a statement of its own, which on PostgreSQL sees everything
+        committed before the locks were taken: a claim that marked a row waiting just
+        before is seen (the key is kept), one that comes after recreates the row with
+        its upsert. A key a concurrent claim holds locked is skipped."""
+        t, c = self.t.tasks, self.t.concurrency
+        batch = limit or self.config.retention_batch_size
+
+        def used(name: Any, key: Any) -> ColumnElement[bool]:
+            running = select(t.c.id).where(t.c.name == name, t.c.slot_key == key, *_running(t))
+            marked = select(t.c.id).where(
+                t.c.name == name,
+                t.c.slot_key == key,
+                t.c.slot.is_not(None),
+                t.c.state.in_([State.PENDING.value, State.WAIT_MANUAL.value]),
+            )
+            return or_(running.exists(), marked.exists())
+
+        idle = and_(
+            c.c.updated_at < after(db_now(), -KEY_IDLE_FOR),
+            or_(c.c.next_start_at.is_(None), c.c.next_start_at < db_now()),
+            not_(used(c.c.name, c.c.key)),
+        )
+        found = select(c.c.name, c.c.key).where(idle).limit(batch)
+        # a read first: a store with no idle key (the usual case) opens no transaction
+        keys = [(str(r.name), str(r.key)) for r in self._read(lambda conn: conn.execute(found))]
+        if not keys:
+            return 0
+
+        def op(conn: Connection, _: bool) -> int:
+            mine = keys
+            if self.is_pg:
+                # only the keys locked here: a DELETE that waited for a claim's lock would
+                # judge the key by a snapshot older than that claim's waiting mark
+                lock = select(c.c.name, c.c.key).where(tuple_(c.c.name, c.c.key).in_(keys))
+                rows = conn.execute(lock.with_for_update(skip_locked=True)).all()
+                mine = [(str(r.name), str(r.key)) for r in rows]
+                if not mine:
+                    return 0
+            # locked: checked again in a statement of its own, then deleted
+            stmt = delete(c).where(tuple_(c.c.name, c.c.key).in_(mine), idle)
+            return int(conn.execute(stmt).rowcount)
+
+        return int(self._tx(op))
 
     def slot_usage(self, *, name: str | None = None, limit: int = 1000) -> list[SlotUsage]:
         """Each limited task and key seen: its limit, slots in use, rows waiting, and

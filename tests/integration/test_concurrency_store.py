@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from celery import Celery
 from sqlalchemy import func, select, update
 
 from celery_lease.check import check
+from celery_lease.reaper import Reaper
 from celery_lease.states import State
 from celery_lease.store import Claim, NewTask, Outcome, Refusal, Slot, Store
 from celery_lease.store.schema import after
@@ -434,3 +436,49 @@ def test_eight_processes_claiming_at_once_take_exactly_the_limit(store: Store) -
     assert all(proc.exitcode == 0 for proc in procs), answers
     assert sorted(answers.values()) == ["claimed"] * 2 + ["waiting=True"] * 6
     assert running_under(store, "t") == 2
+
+
+def test_keys_nothing_uses_for_an_hour_are_deleted_and_come_back_at_their_next_claim(store):
+    owner = register(store)
+    c = store.t.concurrency
+    idle, running, waiting, fresh = (Slot(NAME, k, 1) for k in ("idle", "run", "wait", "new"))
+    paced = Slot(NAME, "paced", 0, 3600.0)
+    a, b, d, e, f, g, h = submit(store, 7)
+    done = store.claim(a, owner, "w", slot=idle)
+    assert isinstance(done, Claim)
+    assert store.finish(done.lease, S.SUCCEEDED, actor="task", reason="done")
+    assert isinstance(store.claim(b, owner, "w", slot=running), Claim)
+    assert isinstance(store.claim(d, owner, "w", slot=waiting), Claim)
+    assert isinstance(store.claim(e, owner, "w", slot=waiting), Refusal)  # waits
+    assert isinstance(store.claim(f, owner, "w", slot=paced), Claim)  # next start: in an hour
+    assert isinstance(store.claim(g, owner, "w", slot=fresh), Claim)
+    with store.engine.begin() as conn:  # every key but "new" last used two hours ago
+        conn.execute(
+            update(c).where(c.c.key != "new").values(updated_at=after(c.c.updated_at, -7200.0))
+        )
+    # the reaper's retention phase does it, in every sweep
+    Reaper(Celery(set_as_current=False), actor="reaper:test", store=store).purge_expired()
+    with store.engine.connect() as conn:
+        keys = set(conn.execute(select(c.c.key)).scalars())
+    assert keys == {"run", "wait", "paced", "new"}  # "idle" only: nothing of it is left
+    assert store.purge_idle_keys() == 0
+    # the key comes back with its next claim, its limit recorded again
+    assert isinstance(store.claim(h, owner, "w", slot=idle), Claim)
+    assert {(u.key, u.limit, u.running) for u in store.slot_usage() if u.key == "idle"} == {
+        ("idle", 1, 1)
+    }
+
+
+def test_a_claim_marks_an_old_key_used(store):
+    owner = register(store)
+    c = store.t.concurrency
+    a, b = submit(store, 2)
+    first = store.claim(a, owner, "w", slot=Slot(NAME, "k", 2))
+    assert isinstance(first, Claim)
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")
+    with store.engine.begin() as conn:
+        conn.execute(update(c).values(updated_at=after(c.c.updated_at, -7200.0)))
+    second = store.claim(b, owner, "w", slot=Slot(NAME, "k", 2))
+    assert isinstance(second, Claim)
+    assert store.finish(second.lease, S.SUCCEEDED, actor="task", reason="done")
+    assert store.purge_idle_keys() == 0  # nothing uses it, but a claim did just now
