@@ -335,7 +335,11 @@ class Slots(StoreBase):
             c.c.name,
             c.c.key,
             c.c.max_slots,
-            count(*_running(t)).label("running"),
+            # the runs holding a slot: RUNNING rows, and overruns still running
+            (
+                holders(t.alias("holder"), self.t.workers, c.c.name, c.c.key)
+                - count(*_queued(t, GRANTED))
+            ).label("running"),
             count(*_queued(t, GRANTED)).label("granted"),
             count(*_queued(t, WAITING)).label("waiting"),
             oldest.label("oldest"),

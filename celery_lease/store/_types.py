@@ -71,8 +71,9 @@ class Slot:
 @dataclasses.dataclass(frozen=True)
 class SlotUsage:
     """One limited task and key: its limit (as its last claim gave it), the slots in
-    use (RUNNING rows, and rows granted a slot not claimed yet), the rows waiting, and
-    since when the oldest has been submitted (database time)."""
+    use (``running``: RUNNING rows and overruns still running; ``granted``: rows granted
+    a slot, not claimed yet), the rows waiting, and since when the oldest has been
+    submitted (database time)."""
 
     name: str
     key: str
