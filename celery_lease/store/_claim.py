@@ -23,9 +23,11 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Float,
     Integer,
     Row,
     String,
+    and_,
     bindparam,
     column,
     func,
@@ -109,6 +111,8 @@ class Claims(Slots):
 
         if slot is not None:
             params.update({"b_slot_name": slot.name, "b_slot_key": slot.key, "b_limit": slot.limit})
+            if slot.interval is not None:
+                params["b_interval"] = slot.interval
 
         if slot is None:
             kind, spec = "claim", self._claim_spec
@@ -160,7 +164,7 @@ class Claims(Slots):
             if slot is not None:
                 self.lock_slot(conn, slot)
                 if slot.interval is not None:
-                    reserved = self._reserved_start(conn, task_id)
+                    reserved = self._reserved_start(conn, task_id, slot.interval)
             rows = move(conn)
             adopted = False
             if not rows:
@@ -270,9 +274,10 @@ class Claims(Slots):
     def _rate_spec(
         self, spec: tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]
     ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
-        """``spec`` for a task with a ``global_rate_limit``: the row moves only when its
-        key's next start has come, or when a start was reserved for it (``paced``: its
-        ETA, part of every claim's ``WHERE``, is that start)."""
+        """``spec`` for a task with a ``global_rate_limit`` (bind parameter
+        ``b_interval`` besides the slot's): the row moves only when its key's next start
+        has come, or when a start was reserved for it (``paced``: its ETA, part of every
+        claim's ``WHERE``, is that start) and has not passed by more than an interval."""
         t, c = self.t.tasks, self.t.concurrency
         where, values, returning = spec
         name = bindparam("b_slot_name", type_=t.c.name.type)
@@ -282,7 +287,15 @@ class Claims(Slots):
             .where(c.c.name == name, c.c.key == key, c.c.next_start_at > db_now())
             .exists()
         )
-        return [*where, or_(t.c.slot == PACED, ~later)], values, returning
+        return [*where, or_(self._on_time(t), ~later)], values, returning
+
+    def _on_time(self, t: Any) -> ColumnElement[bool]:
+        """A paced row whose reserved start (its ETA) passed less than an interval ago
+        (bind parameter ``b_interval``). One later than that (its delivery ran late: a
+        backlog, a stopped worker) is paced again: late starts taken at once, several
+        together, would be a burst the rate forbids."""
+        interval = bindparam("b_interval", type_=Float)
+        return and_(t.c.slot == PACED, t.c.eta > after(db_now(), -interval))
 
     def _claim_slot_rate_spec(
         self,
@@ -298,12 +311,13 @@ class Claims(Slots):
         where, values, returning = self._rate_spec(self._claim_spec())
         return where, {**values, "slot": None, "slot_key": None}, returning
 
-    def _reserved_start(self, conn: Connection, task_id: str) -> bool:
-        """Whether a start was reserved for ``task_id`` (it is ``paced``): its claim then
-        takes no other. Read under its key's lock, which every change of it takes."""
+    def _reserved_start(self, conn: Connection, task_id: str, interval: float) -> bool:
+        """Whether a start was reserved for ``task_id`` and it is on time (see
+        :meth:`_on_time`): its claim then takes no other. Read under its key's lock,
+        which every change of it takes."""
         t = self.t.tasks
-        mark = conn.execute(select(t.c.slot).where(t.c.id == task_id)).scalar()
-        return mark == PACED
+        q = select(self._on_time(t)).where(t.c.id == task_id)
+        return bool(conn.execute(q, {"b_interval": interval}).scalar())
 
     def _take_start(self, conn: Connection, slot: Slot) -> None:
         """A claim started the task now: its key's next start is one interval on."""
@@ -317,16 +331,19 @@ class Claims(Slots):
         )
 
     def _pace(self, conn: Connection, task_id: str, slot: Slot) -> Refusal | None:
-        """A PENDING row whose claim came before its key's next start: that start is
-        reserved for it (its ETA; the key's next start moves one interval on), and its
-        delivery is acked. Published again at once (due then), or held in the store
-        when the start is more than ``lease_hold_eta_after`` away. ``None``: the next
-        start has come (the claim failed for another reason), or the row is not PENDING
-        or already has a start."""
+        """A PENDING row whose claim came before its key's next start (a fresh delivery,
+        or a paced one more than an interval late): that start is reserved for it (its
+        ETA; the key's next start moves one interval on), and its delivery is acked.
+        Published again at once (due then), or held in the store when the start is more
+        than ``lease_hold_eta_after`` away. ``None``: the next start has come (the claim
+        failed for another reason), or the row is not PENDING or has a start on time."""
         t, c = self.t.tasks, self.t.concurrency
         assert slot.interval is not None
-        row = conn.execute(select(t.c.state, t.c.slot).where(t.c.id == task_id)).first()
-        if row is None or row.state != State.PENDING.value or row.slot == PACED:
+        on_time = self._on_time(t).label("on_time")
+        row = conn.execute(
+            select(t.c.state, on_time).where(t.c.id == task_id), {"b_interval": slot.interval}
+        ).first()
+        if row is None or row.state != State.PENDING.value or row.on_time:
             return None
         start, now = conn.execute(
             select(c.c.next_start_at, db_now()).where(c.c.name == slot.name, c.c.key == slot.key)

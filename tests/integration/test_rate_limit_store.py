@@ -184,3 +184,32 @@ def test_a_rate_gives_the_seconds_between_two_starts(rate: Any, interval: float)
 def test_a_bad_rate_is_a_configuration_error_naming_the_task(rate: Any) -> None:
     with pytest.raises(ConfigurationError, match="task t: global_rate_limit"):
         parse_rate("task t", rate)
+
+
+def test_a_start_missed_by_more_than_an_interval_is_given_a_new_one_not_taken_late(store):
+    # deliveries that ran late (a backlog, a stopped worker) would otherwise start
+    # together when they come: a burst the rate forbids
+    owner = register(store)
+    slot = Slot(NAME, "", 0, interval=2.0)
+    a, b, c = submit(store, 3)
+    assert isinstance(store.claim(a, owner, "w", slot=slot), Claim)
+    for task_id in (b, c):
+        assert isinstance(store.claim(task_id, owner, "w", slot=slot), Refusal)
+    t = store.t.tasks
+    with store.engine.begin() as conn:  # b's start passed three seconds ago
+        conn.execute(update(t).where(t.c.id == b).values(eta=after(db_now(), -3.0)))
+    after_c = next_start(store)
+    late = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(late, Refusal) and late.paced
+    # b is given the next free start, after c's; c keeps its own
+    assert abs(seconds(after_c, row(store, b).eta)) < 0.002
+    assert abs(seconds(row(store, b).eta, next_start(store)) - 2.0) < 0.002
+    # with no start ahead of it (the key idle), a late row starts at once, and it
+    # takes a start: the next one is an interval away
+    c_ = store.t.concurrency
+    with store.engine.begin() as conn:
+        conn.execute(update(c_).values(next_start_at=after(db_now(), -10.0)))
+        conn.execute(update(t).where(t.c.id == c).values(eta=after(db_now(), -5.0)))
+    assert isinstance(store.claim(c, owner, "w", slot=slot), Claim)
+    ahead = next_start(store)
+    assert ahead is not None and 1.9 <= seconds(store.now(), ahead) <= 2.0
