@@ -13,11 +13,13 @@
    key when none is free, and the plans of the statements that count a key's slots
    and read its waiting rows (index scans: a claim never reads the waiting rows).
 
-3. **With workers.** Two prefork workers of two processes on Redis: the throughput of a
-   no-op task unlimited and with a ``concurrency_limit`` it never reaches (the limited
-   claim is made by the pool process, not ahead in a batch), and, with a limit of 2
-   and short tasks, the time from a run's end (its outcome's commit, database time) to
-   the next waiting row's claim: through the grant, the broker and a pool process.
+3. **With workers.** Three prefork workers of two processes on Redis (issue 26's
+   set-up): the throughput of a no-op task unlimited and with a ``concurrency_limit``
+   of 6, the pool size (the limited claim is made by the pool process, not ahead in a
+   batch); with a limit of 2 and short tasks, the time from a run's end (its outcome's
+   commit, database time) to the next waiting row's claim: through the grant, the
+   broker and a pool process; and with ``global_rate_limit="50/s"``, the starts per
+   second over the run, from the claims in the audit trail.
 """
 
 from __future__ import annotations
@@ -236,8 +238,9 @@ def job(i, pause):
 
 
 def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float) -> dict:
-    """N tasks through two prefork workers (2 processes each) on Redis: the rate of
-    completions, and for each run that waited for a slot, end -> next claim."""
+    """N tasks through three prefork workers (2 processes each) on Redis: the rate of
+    completions, every claim's time, and for each run that waited for a slot, end ->
+    next claim."""
     from sqlalchemy import func, select
 
     from celery_lease._runtime import runtime
@@ -269,7 +272,7 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
                 project.worker(
                     queue, pool="prefork", concurrency=2, nodename=f"w{i}@%h", loglevel="INFO"
                 ).start()
-                for i in range(2)
+                for i in range(3)
             ]
             for worker in workers:
                 worker.wait_ready()
@@ -287,7 +290,8 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
                 with store.engine.connect() as conn:
                     return int(conn.execute(succeeded).scalar_one()) >= n
 
-            wait_for(written, 60.0, f"limits, {variant}: {n} outcomes written")
+            # a paced delivery counts as done too: the paced runs come later
+            wait_for(written, ctx.scale(600.0, 120.0), f"limits, {variant}: {n} outcomes written")
             spans = []
             for task_id in ids:
                 trail = store.history(task_id)
@@ -310,6 +314,7 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
         "n": n,
         "rate": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan"),
         "gaps_ms": gaps,
+        "starts": [start for start, _ in spans],
     }
 
 
@@ -324,16 +329,26 @@ def run(ctx: Context) -> Section:
     scale = at_scale(ctx)
     n_noop = ctx.scale(3000, 40)
     flows = []
-    for variant, options in (
-        ("unlimited", ""),
-        ("concurrency_limit=1000", ", concurrency_limit=1000"),
-    ):
+    for variant in ("unlimited", "concurrency_limit=6"):
         ctx.log(f"limits: workers, {variant}")
+        options = "" if variant == "unlimited" else f", {variant}"
         flows.append(with_workers(ctx, variant, options, n_noop, 0.0))
     ctx.log("limits: workers, concurrency_limit=2, 20 ms tasks")
     waited = with_workers(
         ctx, "concurrency_limit=2", ", concurrency_limit=2", ctx.scale(400, 20), 0.02
     )
+    per_second = ctx.scale(50, 20)
+    rate = f"global_rate_limit='{per_second}/s'"
+    ctx.log(f"limits: workers, {rate}")
+    paced = with_workers(ctx, rate, f", {rate}", ctx.scale(3000, 40), 0.0)
+    starts = paced["starts"]
+    span = starts[-1] - starts[0] if len(starts) > 1 else float("nan")
+    # starts in each whole second from the first, the last (partial) second left out
+    buckets = [0] * max(1, int(span))
+    for at in starts:
+        index = int(at - starts[0])
+        if index < len(buckets):
+            buckets[index] += 1
 
     base = rounds[0]
     section.lines += textwrap.dedent(__doc__ or "").strip().splitlines()[2:]
@@ -387,7 +402,7 @@ def run(ctx: Context) -> Section:
     plain, limited = flows
     gaps = waited["gaps_ms"]
     section.lines += table(
-        ["two prefork workers x 2, Redis", "N", "tasks/s", "vs unlimited"],
+        ["three prefork workers x 2, Redis", "N", "tasks/s", "vs unlimited"],
         [
             [r["variant"], f"{r['n']:,}", f"{r['rate']:,.0f}", f"{r['rate'] / plain['rate']:.2f}x"]
             for r in flows
@@ -399,6 +414,10 @@ def run(ctx: Context) -> Section:
         f"claim (database time), over {len(gaps)} claims: p50 {median(gaps):.1f} ms, "
         f"p95 {percentile(gaps, 95):.1f} ms, max {max(gaps, default=float('nan')):.1f} ms.",
         "",
+        f"{rate}, {paced['n']:,} tasks: {(len(starts) - 1) / span:.1f} starts/s over "
+        f"{span:.1f} s ({(len(starts) - 1) / span / per_second:.3f}x the rate); starts in "
+        f"each whole second: min {min(buckets)}, max {max(buckets)}.",
+        "",
     ]
     section.lines += [f"Load average at the end: {loadavg()}."]
     section.data = {
@@ -407,6 +426,12 @@ def run(ctx: Context) -> Section:
         "workers": flows,
         "waited": {"n": waited["n"], "rate": waited["rate"], "gaps_ms": gaps},
         "limited_vs_plain": limited["rate"] / plain["rate"],
+        "paced": {
+            "per_second": per_second,
+            "n": paced["n"],
+            "measured": (len(starts) - 1) / span,
+            "buckets": buckets,
+        },
     }
     return section
 
