@@ -272,7 +272,7 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
                 project.worker(
                     queue, pool="prefork", concurrency=2, nodename=f"w{i}@%h", loglevel="INFO"
                 ).start()
-                for i in range(3)
+                for i in range(ctx.scale(3, 2))  # a quick run: two, to keep it short
             ]
             for worker in workers:
                 worker.wait_ready()
@@ -327,7 +327,7 @@ def run(ctx: Context) -> Section:
         rounds.append(lifecycle(ctx, variant, limit, interval))
     ctx.log("limits: 1,000 keys")
     scale = at_scale(ctx)
-    n_noop = ctx.scale(3000, 40)
+    n_noop = ctx.scale(3000, 20)
     flows = []
     for variant in ("unlimited", "concurrency_limit=6"):
         ctx.log(f"limits: workers, {variant}")
@@ -335,12 +335,12 @@ def run(ctx: Context) -> Section:
         flows.append(with_workers(ctx, variant, options, n_noop, 0.0))
     ctx.log("limits: workers, concurrency_limit=2, 20 ms tasks")
     waited = with_workers(
-        ctx, "concurrency_limit=2", ", concurrency_limit=2", ctx.scale(400, 20), 0.02
+        ctx, "concurrency_limit=2", ", concurrency_limit=2", ctx.scale(400, 12), 0.02
     )
     per_second = ctx.scale(50, 20)
     rate = f"global_rate_limit='{per_second}/s'"
     ctx.log(f"limits: workers, {rate}")
-    paced = with_workers(ctx, rate, f", {rate}", ctx.scale(3000, 40), 0.0)
+    paced = with_workers(ctx, rate, f", {rate}", ctx.scale(3000, 20), 0.0)
     starts = paced["starts"]
     span = starts[-1] - starts[0] if len(starts) > 1 else float("nan")
     # starts in each whole second from the first, the last (partial) second left out
@@ -402,7 +402,7 @@ def run(ctx: Context) -> Section:
     plain, limited = flows
     gaps = waited["gaps_ms"]
     section.lines += table(
-        ["three prefork workers x 2, Redis", "N", "tasks/s", "vs unlimited"],
+        [f"{ctx.scale('three', 'two')} prefork workers x 2, Redis", "N", "tasks/s", "vs unlimited"],
         [
             [r["variant"], f"{r['n']:,}", f"{r['rate']:,.0f}", f"{r['rate'] / plain['rate']:.2f}x"]
             for r in flows
