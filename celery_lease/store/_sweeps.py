@@ -110,22 +110,15 @@ class Sweeps(StoreBase):
                 .where(t.c.state == State.RUNNING.value)
                 .limit(batch)
             )
-            if task_ids is not None:
-                q = q.where(t.c.id.in_(task_ids))
-            if owners is not None:
-                q = q.where(t.c.owner.in_(owners))
-            if attempt is not None:
-                q = q.where(t.c.attempt == attempt)
-            if claimed_before is not None:
-                age = max(0.0, time.monotonic() - claimed_before)
-                q = q.where(t.c.started_at < after(db_now(), -age))
+            named = self._named_runs(task_ids, owners, attempt, claimed_before)
+            q = q.where(*named)
             if only_expired:
                 q = q.where(lease_expired(self.t))
             if self.is_pg:
                 q = q.with_for_update(of=t, skip_locked=True)
             candidates = [(str(c.id), c.token) for c in conn.execute(q).all()]
             if not only_expired and (task_ids is not None or owners is not None):
-                self._end_overruns(conn, task_ids, owners, attempt, claimed_before)
+                self._end_overruns(conn, named)
             return self._expire_batch(conn, candidates, actor=actor, reason=reason)
 
         return self._tx(op)
@@ -234,30 +227,40 @@ class Sweeps(StoreBase):
         rows = self._read(lambda conn: conn.execute(q).all())
         return [(str(r.id), int(r.attempt)) for r in rows]
 
-    def _end_overruns(
+    def _named_runs(
         self,
-        conn: Connection,
         task_ids: Sequence[str] | None,
         owners: Sequence[str] | None,
         attempt: int | None,
         claimed_before: float | None,
-    ) -> None:
-        """The runs these expiries name ended (a pool child lost, a worker stopping or
-        restarted): those that an overrun had moved to WAIT_MANUAL, still holding their
-        slot, give it back (the row stays WAIT_MANUAL: a person decides)."""
+    ) -> list[ColumnElement[bool]]:
+        """The conditions of :meth:`expire`'s selection (see its arguments), over the
+        tasks table."""
         t = self.t.tasks
-        q = update(t).where(
-            t.c.state == State.WAIT_MANUAL.value, t.c.slot.is_not(None), t.c.slot == OVERRUN
-        )
+        where: list[ColumnElement[bool]] = []
         if task_ids is not None:
-            q = q.where(t.c.id.in_(task_ids))
+            where.append(t.c.id.in_(task_ids))
         if owners is not None:
-            q = q.where(t.c.owner.in_(owners))
+            where.append(t.c.owner.in_(owners))
         if attempt is not None:
-            q = q.where(t.c.attempt == attempt)
+            where.append(t.c.attempt == attempt)
         if claimed_before is not None:
             age = max(0.0, time.monotonic() - claimed_before)
-            q = q.where(t.c.started_at < after(db_now(), -age))
+            where.append(t.c.started_at < after(db_now(), -age))
+        return where
+
+    def _end_overruns(self, conn: Connection, named: Sequence[ColumnElement[bool]]) -> None:
+        """The runs an expiry names (``named``: :meth:`_named_runs`) ended (a pool child
+        lost, a worker stopping or restarted): those that an overrun had moved to
+        WAIT_MANUAL, still holding their slot, give it back (the row stays WAIT_MANUAL:
+        a person decides)."""
+        t = self.t.tasks
+        q = update(t).where(
+            t.c.state == State.WAIT_MANUAL.value,
+            t.c.slot.is_not(None),
+            t.c.slot == OVERRUN,
+            *named,
+        )
         rows = conn.execute(q.values(slot=None).returning(t.c.name, t.c.slot_key)).all()
         self._note_frees(rows)
 
