@@ -155,10 +155,15 @@ def charge(task, key, pause):
 
 @app.task(base=LeasedTask, bind=True, name="soak.idem")
 def idem(self, key, steps, pause):
+    return idempotent_steps(self, key, steps, pause)
+
+
+def idempotent_steps(task, key, steps, pause):
+    """``steps`` idempotent steps, a pause after each."""
     begin(key)
     out = []
     for i in range(steps):
-        out.append(self.step(f"s{i}", effect, self, key, f"s{i}", idempotent=True))
+        out.append(task.step(f"s{i}", effect, task, key, f"s{i}", idempotent=True))
         time.sleep(pause)
     return out
 
@@ -222,12 +227,7 @@ def dedup(self, key):
 )
 def limited(self, key, steps, pause, group):
     """``idem``, one RUNNING at a time per group, across the workers."""
-    begin(key)
-    out = []
-    for i in range(steps):
-        out.append(self.step(f"s{i}", effect, self, key, f"s{i}", idempotent=True))
-        time.sleep(pause)
-    return out
+    return idempotent_steps(self, key, steps, pause)
 
 
 @app.task(base=LeasedTask, bind=True, name="soak.follow")

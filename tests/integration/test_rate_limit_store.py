@@ -7,7 +7,6 @@ ETA takes no other start. Keys are paced apart. A start far ahead is held in the
 
 from __future__ import annotations
 
-import os
 import uuid
 from datetime import datetime
 from typing import Any
@@ -20,6 +19,8 @@ from celery_lease.producer.slots import parse_rate
 from celery_lease.states import State
 from celery_lease.store import Claim, NewTask, Refusal, Slot, Store
 from celery_lease.store.schema import after, db_now
+
+from .test_concurrency_store import register
 
 S = State
 NAME = "tests.paced"
@@ -43,12 +44,6 @@ def submit(store: Store, n: int) -> list[str]:
         ids.append(task_id)
     store.mark_published(ids)
     return ids
-
-
-def register(store: Store) -> str:
-    worker_id = uuid.uuid4().hex
-    store.register_worker(worker_id, f"w-{worker_id[:6]}@host", "host", os.getpid())
-    return worker_id
 
 
 def row(store: Store, task_id: str) -> Any:
