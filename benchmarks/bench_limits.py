@@ -288,6 +288,10 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
             ]
             for worker in workers:
                 worker.wait_ready()
+            # the CPU the workers (every process of each) and their database sessions
+            # spend on the run: on a machine that others share, steadier than the rate
+            worker_pids = [pid for worker in workers for pid in worker.group()]
+            cpu0, db0 = proc_cpu_each(worker_pids), proc_cpu_each(pg_backends())
             ids = [module.job.delay(i, pause).id for i in range(n)]
             wait_for(
                 lambda: any(w.check_alive() for w in workers) or done_count(done) >= n,
@@ -304,6 +308,8 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
 
             # a paced delivery counts as done too: the paced runs come later
             wait_for(written, ctx.scale(600.0, 120.0), f"limits, {variant}: {n} outcomes written")
+            worker_cpu = proc_cpu_since(cpu0)
+            pg_cpu = proc_cpu_since(db0, pg_backends())
             # a delivery that found no slot was acked, granted a slot later and published
             # again: its row was published twice
             with store.engine.connect() as conn:
@@ -334,12 +340,15 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
         "gaps_ms": gaps,
         "starts": [start for start, _ in spans],
         "republished": republished,
+        "worker_cpu_ms": worker_cpu / n * 1000,
+        "pg_cpu_ms": pg_cpu / n * 1000,
     }
 
 
 def flows_table(ctx: Context, flows: list[dict]) -> list[str]:
-    """The workers' rounds against the first (unlimited); "published again": deliveries
-    that found no slot, were acked, granted one later and published a second time."""
+    """The workers' rounds against the first (unlimited): CPU per task of every process
+    of the workers and of their PostgreSQL sessions; "published again": deliveries that
+    found no slot, were acked, granted one later and published a second time."""
     plain = flows[0]["rate"]
     return table(
         [
@@ -347,6 +356,8 @@ def flows_table(ctx: Context, flows: list[dict]) -> list[str]:
             "N",
             "tasks/s",
             "vs unlimited",
+            "workers' CPU ms / task",
+            "PostgreSQL CPU ms / task",
             "published again",
         ],
         [
@@ -355,6 +366,8 @@ def flows_table(ctx: Context, flows: list[dict]) -> list[str]:
                 f"{r['n']:,}",
                 f"{r['rate']:,.0f}",
                 f"{r['rate'] / plain:.2f}x",
+                f"{r['worker_cpu_ms']:.2f}",
+                f"{r['pg_cpu_ms']:.2f}",
                 str(r["republished"]),
             ]
             for r in flows
@@ -485,7 +498,8 @@ def run_throughput(ctx: Context) -> Section:
     section.lines += flows_table(ctx, flows)
     section.lines += ["", f"Load average at the end: {loadavg()}."]
     section.data = {
-        r["variant"]: {"rate": r["rate"], "republished": r["republished"]} for r in flows
+        r["variant"]: {k: r[k] for k in ("rate", "worker_cpu_ms", "pg_cpu_ms", "republished")}
+        for r in flows
     }
     return section
 
