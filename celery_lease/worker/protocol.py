@@ -287,7 +287,8 @@ def hand_over(
     that ``holds_slot`` (its claim took a concurrency slot: the outcome frees it, and
     must be committed before this pool process takes its next delivery, whose claim
     would otherwise find the slot still taken, wait, and go through the broker again
-    once the batch is written), the final outcome of a task
+    once the batch is written; if the database does not answer, the pool process
+    hands it over after all, with ``holds_slot`` false), the final outcome of a task
     with callbacks, a chain or a chord (its follow-ups are recorded with the outcome
     and published right after it, by the pool process, so the row must be final first,
     or a worker lost with the outcome buffered would run them again; a retry runs none
