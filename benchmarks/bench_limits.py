@@ -14,12 +14,15 @@
    and read its waiting rows (index scans: a claim never reads the waiting rows).
 
 3. **With workers.** Three prefork workers of two processes on Redis (issue 26's
-   set-up): the throughput of a no-op task unlimited and with a ``concurrency_limit``
-   of 6, the pool size (the limited claim is made by the pool process, not ahead in a
-   batch); with a limit of 2 and short tasks, the time from a run's end (its outcome's
-   commit, database time) to the next waiting row's claim: through the grant, the
-   broker and a pool process; and with ``global_rate_limit="50/s"``, the starts per
+   set-up): the throughput of a no-op task unlimited, with a ``concurrency_limit`` of
+   6, the pool size, and of 1,000, never reached (the limited claim is made by the pool
+   process, not ahead in a batch), and how many deliveries found no slot (published
+   again once granted one); with a limit of 2 and short tasks, the time from a run's
+   end (its outcome's commit, database time) to the next waiting row's claim: through
+   the grant, the broker and a pool process; and with ``global_rate_limit="50/s"``, the starts per
    second over the run, from the claims in the audit trail.
+
+``--only throughput`` runs the throughput rounds alone (a minute or two).
 """
 
 from __future__ import annotations
@@ -223,6 +226,15 @@ def at_scale(ctx: Context) -> dict:
     }
 
 
+#: The workers' throughput rounds (three workers of two: a pool of six): no limit, a
+#: limit of the pool size, a limit never reached.
+THROUGHPUT = [
+    ("unlimited", ""),
+    ("concurrency_limit=6", ", concurrency_limit=6"),
+    ("concurrency_limit=1000", ", concurrency_limit=1000"),
+]
+
+
 JOB = """
 import time
 
@@ -276,6 +288,10 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
             ]
             for worker in workers:
                 worker.wait_ready()
+            # the CPU the workers (every process of each) and their database sessions
+            # spend on the run: on a machine that others share, steadier than the rate
+            worker_pids = [pid for worker in workers for pid in worker.group()]
+            cpu0, db0 = proc_cpu_each(worker_pids), proc_cpu_each(pg_backends())
             ids = [module.job.delay(i, pause).id for i in range(n)]
             wait_for(
                 lambda: any(w.check_alive() for w in workers) or done_count(done) >= n,
@@ -292,6 +308,14 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
 
             # a paced delivery counts as done too: the paced runs come later
             wait_for(written, ctx.scale(600.0, 120.0), f"limits, {variant}: {n} outcomes written")
+            worker_cpu = proc_cpu_since(cpu0)
+            pg_cpu = proc_cpu_since(db0, pg_backends())
+            # a delivery that found no slot was acked, granted a slot later and published
+            # again: its row was published twice
+            with store.engine.connect() as conn:
+                republished = int(
+                    conn.execute(select(func.count()).where(t.c.publish_count > 1)).scalar_one()
+                )
             spans = []
             for task_id in ids:
                 trail = store.history(task_id)
@@ -315,7 +339,40 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
         "rate": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan"),
         "gaps_ms": gaps,
         "starts": [start for start, _ in spans],
+        "republished": republished,
+        "worker_cpu_ms": worker_cpu / n * 1000,
+        "pg_cpu_ms": pg_cpu / n * 1000,
     }
+
+
+def flows_table(ctx: Context, flows: list[dict]) -> list[str]:
+    """The workers' rounds against the first (unlimited): CPU per task of every process
+    of the workers and of their PostgreSQL sessions; "published again": deliveries that
+    found no slot, were acked, granted one later and published a second time."""
+    plain = flows[0]["rate"]
+    return table(
+        [
+            f"{ctx.scale('three', 'two')} prefork workers x 2, Redis",
+            "N",
+            "tasks/s",
+            "vs unlimited",
+            "workers' CPU ms / task",
+            "PostgreSQL CPU ms / task",
+            "published again",
+        ],
+        [
+            [
+                r["variant"],
+                f"{r['n']:,}",
+                f"{r['rate']:,.0f}",
+                f"{r['rate'] / plain:.2f}x",
+                f"{r['worker_cpu_ms']:.2f}",
+                f"{r['pg_cpu_ms']:.2f}",
+                str(r["republished"]),
+            ]
+            for r in flows
+        ],
+    )
 
 
 def run(ctx: Context) -> Section:
@@ -329,9 +386,8 @@ def run(ctx: Context) -> Section:
     scale = at_scale(ctx)
     n_noop = ctx.scale(3000, 20)
     flows = []
-    for variant in ("unlimited", "concurrency_limit=6"):
+    for variant, options in THROUGHPUT:
         ctx.log(f"limits: workers, {variant}")
-        options = "" if variant == "unlimited" else f", {variant}"
         flows.append(with_workers(ctx, variant, options, n_noop, 0.0))
     ctx.log("limits: workers, concurrency_limit=2, 20 ms tasks")
     waited = with_workers(
@@ -399,15 +455,9 @@ def run(ctx: Context) -> Section:
     ]
     for label, lines in scale["plans"].items():
         section.lines += [f"{label}:", "", "```", *lines, "```", ""]
-    plain, limited = flows
+    plain, limited = flows[0], flows[1]
     gaps = waited["gaps_ms"]
-    section.lines += table(
-        [f"{ctx.scale('three', 'two')} prefork workers x 2, Redis", "N", "tasks/s", "vs unlimited"],
-        [
-            [r["variant"], f"{r['n']:,}", f"{r['rate']:,.0f}", f"{r['rate'] / plain['rate']:.2f}x"]
-            for r in flows
-        ],
-    )
+    section.lines += flows_table(ctx, flows)
     section.lines += [
         "",
         f"concurrency_limit=2, {waited['n']:,} tasks of 20 ms: a run's end -> the next "
@@ -436,5 +486,23 @@ def run(ctx: Context) -> Section:
     return section
 
 
+def run_throughput(ctx: Context) -> Section:
+    """the workers' throughput round alone (no-op tasks through three prefork workers of
+    two: unlimited, a limit of the pool size, a limit never reached; a minute or two)"""
+    section = Section("limits-throughput", "15. Concurrency limits: throughput with workers")
+    n = ctx.scale(3000, 20)
+    flows = []
+    for variant, options in THROUGHPUT:
+        ctx.log(f"limits: workers, {variant}")
+        flows.append(with_workers(ctx, variant, options, n, 0.0))
+    section.lines += flows_table(ctx, flows)
+    section.lines += ["", f"Load average at the end: {loadavg()}."]
+    section.data = {
+        r["variant"]: {k: r[k] for k in ("rate", "worker_cpu_ms", "pg_cpu_ms", "republished")}
+        for r in flows
+    }
+    return section
+
+
 if __name__ == "__main__":
-    raise SystemExit(standalone(run))
+    raise SystemExit(standalone(run, parts={"throughput": run_throughput}))

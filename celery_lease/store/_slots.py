@@ -23,7 +23,10 @@ Taking one is serialized per (name, key) by the row of the ``concurrency`` table
 
 A free does not take the lock: it commits first, then grants. A claim that counted
 before that commit holds the lock until its "waiting" mark commits, so the grant that
-follows sees the mark; a claim that counts after it sees the slot free. A row waiting
+follows sees the mark; a claim that counts after it sees the slot free. A grant asks
+first, outside a transaction, whether the key has a row waiting (after taking and
+releasing the lock, for the same reason): a key with none, the usual case while a
+limit does not bind, costs that read instead of the grant's transaction. A row waiting
 is never in the broker and never polled: it is published when it is granted a slot.
 On SQLite every write transaction is serialized (``BEGIN IMMEDIATE``), which decides
 the same way.
@@ -183,15 +186,62 @@ class Slots(StoreBase):
     def grant(self, pairs: Sequence[tuple[str, str]]) -> list[Publishable]:
         """Give the free slots of these (name, key) pairs to their oldest waiting rows:
         those rows are marked granted and reserved for publishing now (returned; if
-        they are never published, the reaper's grace sweep publishes them)."""
+        they are never published, the reaper's grace sweep publishes them). A key with
+        no row waiting (:meth:`_has_waiting`) costs no transaction."""
         out: list[Publishable] = []
         for name, key in pairs:
+            if not self._has_waiting(name, key):
+                continue
 
             def op(conn: Connection, _: bool, name: str = name, key: str = key) -> list[Any]:
                 return self._grant(conn, name, key)
 
             out += self._tx(op)
         return out
+
+    def _has_waiting(self, name: str, key: str) -> bool:
+        """Whether (name, key) may have rows waiting, as a grant run now would count
+        them: the grant's first question, asked without a transaction. A claim that
+        counted the caller's slot as used (before the caller's free committed) marks
+        its row waiting under the key's lock; on PostgreSQL that lock is taken and
+        released first (a statement of its own, in autocommit), so the read that
+        follows sees that claim's mark, as the grant's own count would. On SQLite
+        every write transaction is serialized: such a claim committed before the free
+        began."""
+        params = {"b_slot_name": name, "b_slot_key": key}
+        found = self._prepared("slot-waiting", self._has_waiting_statement)
+        if not self.is_pg:
+            return bool(self._read(lambda conn: conn.execute(found, params).scalar()))
+        lock = self._prepared("slot-wait-lock", self._wait_lock_statement)
+
+        def op(conn: Connection, _: bool) -> bool:
+            conn.execute(lock, params)
+            return bool(conn.execute(found, params).scalar())
+
+        return self._tx(op, single=True)
+
+    def _has_waiting_statement(self) -> Any:
+        t = self.t.tasks
+        return select(
+            select(t.c.id)
+            .where(
+                t.c.name == bindparam("b_slot_name", type_=String),
+                t.c.slot_key == bindparam("b_slot_key", type_=String),
+                *_queued(t, WAITING),
+            )
+            .exists()
+        )
+
+    def _wait_lock_statement(self) -> Any:
+        c = self.t.concurrency
+        return (
+            select(c.c.key)
+            .where(
+                c.c.name == bindparam("b_slot_name", type_=String),
+                c.c.key == bindparam("b_slot_key", type_=String),
+            )
+            .with_for_update()
+        )
 
     def _grant(self, conn: Connection, name: str, key: str) -> list[Publishable]:
         t, c = self.t.tasks, self.t.concurrency

@@ -276,13 +276,19 @@ def hand_over(
     fenced: bool,
     task_name: str,
     outcome: Outcome,
+    holds_slot: bool = False,
 ) -> bool:
     """Hand a pool process's outcome to its worker's main process; ``False``: the
     caller writes it itself (write-through).
 
     Written through: outcomes other than SUCCEEDED, CANCELLED and a retry carrying its
     message, every outcome with ``lease_outcome_write_through`` (no channel is open),
-    a self-fenced worker's (its leases are being expired), the final outcome of a task
+    a self-fenced worker's (its leases are being expired), the outcome of an attempt
+    that ``holds_slot`` (its claim took a concurrency slot: the outcome frees it, and
+    must be committed before this pool process takes its next delivery, whose claim
+    would otherwise find the slot still taken, wait, and go through the broker again
+    once the batch is written; if the database does not answer, the pool process
+    hands it over after all, with ``holds_slot`` false), the final outcome of a task
     with callbacks, a chain or a chord (its follow-ups are recorded with the outcome
     and published right after it, by the pool process, so the row must be final first,
     or a worker lost with the outcome buffered would run them again; a retry runs none
@@ -291,7 +297,7 @@ def hand_over(
     ``celery.contrib.pytest``'s in-process worker): there the caller that sees
     Celery's result may read the row next, and it must be final.
     """
-    if outcome.to not in HANDED_OVER or fenced:
+    if outcome.to not in HANDED_OVER or fenced or holds_slot:
         return False
     retry = outcome.to is State.RETRY_WAIT
     if retry and outcome.message is None:

@@ -422,8 +422,15 @@ def test_the_limits_benchmark_prints_its_tables(pg_url: str, redis_url: str) -> 
         "outcome that frees a slot + its grant",
         "backstop sweep over every key, none free",
     ]
-    assert [row[0] for row in flows[1:]] == ["unlimited", "concurrency_limit=6"]
-    assert all(_number(row[2]) > 0 for row in flows[1:])
+    assert [row[0] for row in flows[1:]] == [
+        "unlimited",
+        "concurrency_limit=6",
+        "concurrency_limit=1000",
+    ]
+    assert flows[0][4:] == ["workers' CPU ms / task", "PostgreSQL CPU ms / task", "published again"]
+    for row in flows[1:]:
+        assert _number(row[2]) > 0 and _number(row[4]) > 0
+        assert _number(row[5]) >= 0 and _number(row[6]) >= 0
     # the limit of 2 made runs wait: their end -> next claim figures were measured
     assert re.search(r"over \d+ claims: p50 [\d.]+ ms, p95 [\d.]+ ms", proc.stdout)
     # the rate limit's starts per second were measured from the claims

@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import ConfigurationError, InvalidSubmission, LeasedTask, State
-from celery_lease.config import from_mapping
+from celery_lease.config import TUNING_ENV, from_mapping
 from celery_lease.producer.slots import limit_of
 
 from ..crash.support import TASKS, LeaseEnv, pg_only, released, report
@@ -148,6 +148,48 @@ def test_limits_hold_across_workers_and_each_free_starts_a_waiting_row(
     usage = {(u.name, u.key): u for u in p.store.slot_usage()}
     assert usage[("c.report", "")].limit == 2
     assert all(u.running == u.granted == u.waiting == 0 for u in usage.values())
+
+
+def publish_counts(p: Any, task_ids: list[str]) -> dict[str, int]:
+    """How many times each row's message was published (the store's own count)."""
+    from sqlalchemy import select
+
+    t = p.store.t.tasks
+    with p.store.engine.connect() as conn:
+        rows = conn.execute(select(t.c.id, t.c.publish_count).where(t.c.id.in_(task_ids)))
+        return {str(r.id): int(r.publish_count) for r in rows}
+
+
+@pg_only()
+def test_a_limit_of_the_pool_size_never_makes_a_delivery_wait(
+    lease_env: LeaseEnv, redis_url: str, tmp_path: Path
+) -> None:
+    """The outcome that frees a slot is committed by the pool process before it takes
+    its next delivery (written through, not batched): with a limit equal to the pool's
+    size, no claim finds the key full, however long the worker's outcome writer holds
+    its batches (one second here). Before, each pool process's next claim counted its
+    own finished, unwritten run: the delivery was acked as waiting, then granted a slot
+    and published again."""
+    log = tmp_path / "runs.log"
+    log.touch()
+    p = lease_env.project(
+        broker_url=redis_url,
+        source=SOURCE,
+        env={"CONC_LOG": str(log), TUNING_ENV: "outcome_flush_interval=1.0"},
+        embedded_reaper=False,
+        ttl=10.0,
+    )
+    reports = [p.submit("c.report", i, 0.0) for i in range(20)]
+    p.worker("w1", concurrency=2)
+    for task_id in reports:
+        assert p.wait_state(task_id, S.SUCCEEDED, timeout=60).attempt == 1
+    # each message published once, by its submission: no delivery waited for a slot
+    # (a waiting row is published again when it is granted one)
+    assert publish_counts(p, reports) == {task_id: 1 for task_id in reports}
+    assert not any("waiting for a slot" in (w.log_text() or "") for w in p.workers)
+    runs = runs_from_log(log)
+    assert len(runs[""]) == 20 and peak(runs[""]) <= 2
+    assert peak(running_intervals(p, reports)) <= 2
 
 
 OVERRUN_SOURCE = (

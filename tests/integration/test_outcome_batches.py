@@ -359,6 +359,9 @@ def test_hand_over_writes_through_what_it_must(store):
     assert hand_over(app, plain, False, "tests.job", ok)
     assert not hand_over(app, plain, True, "tests.job", ok)  # self-fenced
     assert not hand_over(app, linked, False, "tests.job", ok)  # follow-ups need the row
+    # a run holding a concurrency slot: its outcome frees the slot before the next claim
+    assert not hand_over(app, plain, False, "tests.job", ok, holds_slot=True)
+    assert not hand_over(app, plain, False, "tests.job", retry_of(lease), holds_slot=True)
     assert not hand_over(app, plain, False, "tests.job", Outcome(lease, S.FAILED, "raised"))
     # a retry carries its message, which the writer publishes after the row; Celery runs
     # no follow-up on a retry, so a task with callbacks hands it over too

@@ -83,6 +83,8 @@ class _Delivery:
         self.task_id: str = str(self.req.id)
         #: The attempt this delivery claimed (``None`` until its claim is known).
         self.attempt: int | None = None
+        #: The concurrency slot this delivery's own claim took (``None``: none).
+        self.slot: Slot | None = None
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         claim = self._asked() or self._claim(args, kwargs)
@@ -93,6 +95,7 @@ class _Delivery:
             claim=claim,
             fenced=lambda: inc.flags.fenced,
             check_interval=self.rt.config.heartbeat_interval,
+            holds_slot=self.slot is not None and self.slot.limit > 0,
         )
         self.req.retries = claim.retries
         token = current.set(execution)
@@ -139,13 +142,14 @@ class _Delivery:
             raise Ignore()
         if self._held_by_pause():
             raise Ignore()
+        self.slot = self._slot(args, kwargs)
         claim = store.claim(
             self.task_id,
             inc.id,
             inc.actor,
             adopt=lambda: self._adoption(args, kwargs),
             revision=_message.revision_of(self.req),
-            slot=self._slot(args, kwargs),
+            slot=self.slot,
         )
         if isinstance(claim, Refusal):
             if claim.early or (claim.paced and not claim.held):
@@ -377,17 +381,23 @@ def outcome(
     if rt is None or rt.incarnation is None:
         return False
     written = Outcome(execution.lease, to, reason, result, error)
-    if hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, written):
+    fenced = rt.incarnation.flags.fenced
+    if hand_over(task.app, task.request, fenced, task.name, written, execution.holds_slot):
         return True  # written by the worker's outcome writer, with others
-    ok = rt.store.finish(
-        execution.lease,
-        to,
-        actor=rt.incarnation.actor,
-        reason=reason,
-        result=result,
-        error=error,
-        follow_ups=follow_ups,
-    )
+    try:
+        ok = rt.store.finish(
+            execution.lease,
+            to,
+            actor=rt.incarnation.actor,
+            reason=reason,
+            result=result,
+            error=error,
+            follow_ups=follow_ups,
+        )
+    except StoreError:
+        if _kept_by_writer(task, execution, rt, written):
+            return True
+        raise
     if not ok:
         logger.warning(
             "task %s[%s] attempt %d: outcome %s rejected, the lease was lost (another "
@@ -425,25 +435,45 @@ def retry_outcome(
     # a requeued delivery stays in the broker; a retry without its message cannot be
     # published later from the row
     held = not requeued and message is not None and rt.store.holds(delay, None)
-    if not requeued:
-        retry = Outcome(
-            execution.lease, State.RETRY_WAIT, reason, None, error, delay, message, held=held
-        )
-        if hand_over(task.app, task.request, rt.incarnation.flags.fenced, task.name, retry):
-            return "handed_over"
-    written = rt.store.schedule_retry(
-        execution.lease,
-        delay,
-        actor=rt.incarnation.actor,
-        reason=reason,
-        error=error,
-        message=message,
-        requeued=requeued,
-        held=held,
+    retry = Outcome(
+        execution.lease, State.RETRY_WAIT, reason, None, error, delay, message, held=held
     )
+    fenced = rt.incarnation.flags.fenced
+    if not requeued and hand_over(
+        task.app, task.request, fenced, task.name, retry, execution.holds_slot
+    ):
+        return "handed_over"
+    try:
+        written = rt.store.schedule_retry(
+            execution.lease,
+            delay,
+            actor=rt.incarnation.actor,
+            reason=reason,
+            error=error,
+            message=message,
+            requeued=requeued,
+            held=held,
+        )
+    except StoreError:
+        if not requeued and _kept_by_writer(task, execution, rt, retry):
+            return "handed_over"
+        raise
     if not written:
         return "lost"
     return "held" if held else "written"
+
+
+def _kept_by_writer(task: LeasedTask, execution: Execution, rt: Runtime, kept: Outcome) -> bool:
+    """A run holding a concurrency slot writes its outcome itself (it frees the slot
+    before this pool process takes its next delivery); when the database does not
+    answer, the outcome goes to the worker's outcome writer after all, which keeps it
+    and writes it once the database answers, as for any other task (crash-point
+    matrix row 37): the slot stays in use meanwhile. Whether the writer took it (not
+    once this worker has fenced itself meanwhile)."""
+    if not execution.holds_slot or rt.incarnation is None:
+        return False
+    fenced = rt.incarnation.flags.fenced
+    return hand_over(task.app, task.request, fenced, task.name, kept)
 
 
 def _finishing(task: LeasedTask, execution: Execution) -> Runtime | None:

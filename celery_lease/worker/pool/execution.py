@@ -78,10 +78,13 @@ class Execution:
         claim: Claim,
         fenced: Callable[[], bool],
         check_interval: float,
+        holds_slot: bool = False,
     ) -> None:
         self.store = store
         self.claim = claim
         self.lease = claim.lease
+        #: The claim took a concurrency slot: its outcome frees it, written through.
+        self.holds_slot = holds_slot
         #: Set once the outcome (or a retry) has been written: nothing more is written.
         self.finished = False
         #: The error that made the task call ``retry()`` (for the audit trail).
