@@ -94,19 +94,33 @@ def make_context(quick: bool, out_dir: Path, plots: bool = True) -> Context:
     return Context(quick=quick, out_dir=out_dir, img_dir=img, work_dir=work, plots=plots)
 
 
-def standalone(run: Callable[[Context], Section], argv: Sequence[str] | None = None) -> int:
-    """``python benchmarks/bench_x.py [--quick] [--out DIR]``: run one benchmark, print it."""
+def standalone(
+    run: Callable[[Context], Section],
+    argv: Sequence[str] | None = None,
+    parts: dict[str, Callable[[Context], Section]] | None = None,
+) -> int:
+    """``python benchmarks/bench_x.py [--quick] [--out DIR] [--only PART]``: run one
+    benchmark (or one of its ``parts``), print it."""
     import argparse
 
     parser = argparse.ArgumentParser(description=run.__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny N: a smoke run")
     parser.add_argument("--out", type=Path, default=None, help="where plots go (default: tmp)")
+    if parts:
+        parser.add_argument(
+            "--only",
+            choices=sorted(parts),
+            default=None,
+            help="run only this part: "
+            + "; ".join(f"{k}: {(v.__doc__ or '').strip()}" for k, v in sorted(parts.items())),
+        )
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="celery-lease-bench-out-"))
     ctx = make_context(args.quick, out)
     print(describe_machine_text(), flush=True)
+    chosen = parts[args.only] if parts and args.only else run
     try:
-        section = run(ctx)
+        section = chosen(ctx)
     finally:
         shutil.rmtree(ctx.work_dir, ignore_errors=True)
     print(section.markdown(), flush=True)
