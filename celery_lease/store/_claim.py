@@ -311,7 +311,7 @@ class Claims(Slots):
         Any other delivery is paced (again): given the key's next free start. So late
         deliveries that come together start one an interval, never in a burst, and
         since the times the starts record are an interval apart at least, and each
-        start comes less than an interval after its own, any window of ``k``
+        start comes at most an interval after its own, any window of ``k``
         intervals holds at most ``k + 1`` starts. (A key whose last start is not known,
         written before schema version 15, is idle once its next start has come.)"""
         c = self.t.concurrency
@@ -366,9 +366,11 @@ class Claims(Slots):
         * a reserved start taken on time, in an interval no other start took: the
           reserved time, so that the starts reserved after it keep their beat;
         * a start in an idle key: the end of the last start's interval when it came
-          within half an interval of it, else half an interval ago. The beat goes on
-          through deliveries that come a little late instead of drifting later by each
-          delay; two starts are half an interval apart at least.
+          within an interval of it, else an interval ago. The beat goes on through
+          deliveries that come a little late instead of drifting later by each delay
+          (an interval left without a start is lost to the rate), and a start still
+          comes less than an interval after the time it records, so any ``k``
+          intervals hold at most ``k + 1`` starts.
 
         Its next start (the first not given out) is at least an interval after now; one
         further on stays as it is: the starts given out keep their times."""
@@ -376,11 +378,14 @@ class Claims(Slots):
         assert slot.interval is not None
         kind = self.t.tasks.c.eta.type
         now = bindparam("b_now", at_now, type_=kind)
-        soonest = after(now, slot.interval)
+        # (the database's time now, after the claim's audit row: the first start of a
+        # key, and the next start, count from it, so no start comes before its turn
+        # by the time the statements of this claim took)
+        soonest = after(db_now(), slot.interval)
         last = c.c.last_start_at
         beat = greatest(
-            func.coalesce(after(last, slot.interval), now),
-            after(now, -slot.interval / 2),
+            func.coalesce(after(last, slot.interval), db_now()),
+            after(now, -slot.interval),
         )
         at: Any = beat
         if reserved is not None:

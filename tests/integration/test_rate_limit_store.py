@@ -262,16 +262,21 @@ def test_a_late_row_fills_an_idle_interval_and_is_paced_again_right_after_a_star
     assert isinstance(store.claim(e, owner, "w", slot=slot), Claim)
     assert next_start(store) == line_end
 
-    # with no start ahead of it either (the key idle), a late row starts, and the next
-    # start is an interval away: a fresh delivery right after it is paced
+    # with no start ahead of it either (the key idle for long), a late row starts; it
+    # records the start an interval ago (the most a start may count back), so one
+    # more may start at once, and the next is paced an interval on: never more than
+    # k + 1 starts in k intervals
     set_key(store, next_start=10.0, last_start=10.0)
     set_eta(store, d, 5.0)
     assert isinstance(store.claim(d, owner, "w", slot=slot), Claim)
-    ahead = next_start(store)
-    assert ahead is not None and 1.9 <= seconds(store.now(), ahead) <= 2.0
-    (f,) = submit(store, 1)
-    fresh = store.claim(f, owner, "w", slot=slot)
+    recorded = last_start(store)
+    assert recorded is not None and abs(seconds(recorded, store.now()) - 2.0) < 0.1
+    f, g = submit(store, 2)
+    assert isinstance(store.claim(f, owner, "w", slot=slot), Claim)
+    fresh = store.claim(g, owner, "w", slot=slot)
     assert isinstance(fresh, Refusal) and fresh.paced
+    ahead = next_start(store)
+    assert ahead is not None and 3.9 <= seconds(store.now(), ahead) <= 4.0  # g's, then
 
 
 def test_an_on_time_start_whose_interval_a_late_row_filled_is_paced_again(store):
