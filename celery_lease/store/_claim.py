@@ -62,8 +62,9 @@ _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
 
 #: Seconds by which a start reserved on time may follow the key's last start by less
-#: than an interval: the rounding of a time plus an interval, minus it again.
-_SLACK = 0.001
+#: than an interval: the rounding of a time plus an interval, minus it again (SQLite
+#: keeps times as floats of seconds: about a microsecond; PostgreSQL's are exact).
+_SLACK = 0.00001
 
 #: What a delivery claimed ahead is: (task id, the fresh token of its claim).
 Ask = tuple[str, str]
@@ -229,7 +230,7 @@ class Claims(Slots):
                     why = "no row for this message" if row is None else f"task is {state}"
                     return Refusal(task_id, state, why)
             if started and slot is not None and slot.interval is not None:
-                self._record_start(conn, slot, reserved, params["b_now"])
+                self._record_start(conn, slot, reserved)
             return claimed(rows[0], adopted)
 
         if not self.is_pg or slot is not None:
@@ -293,9 +294,11 @@ class Claims(Slots):
         return [*where, self._may_start(t, name, key)], values, returning
 
     def _may_start(self, t: Any, name: Any, key: Any) -> ColumnElement[bool]:
-        """Whether a row of (``name``, ``key``) may start now (bind parameter
-        ``b_interval``; ``b_now``: the claim's time, read once under the key's lock, so
-        that its statements agree while the clock moves on). Each start owns one
+        """Whether a row of (``name``, ``key``) may start now (bind parameters
+        ``b_interval`` and ``b_now``, the claim's time, read once under the key's lock:
+        whether the key is idle only ever turns true as the clock moves on, so the
+        claim's statements must agree on it, or a delivery could be found neither
+        startable nor to pace). Each start owns one
         interval of the key's timeline, from the time it records
         (``concurrency.last_start_at``, see :meth:`_record_start`). A row starts:
 
@@ -325,10 +328,12 @@ class Claims(Slots):
             and_(last.is_(None), c.c.next_start_at > now),
         )
         idle = ~select(c.c.name).where(mine, busy).exists()
-        # (a millisecond of slack: SQLite's times are floats, and a start reserved an
-        # interval after another is that one plus the interval)
+        # (a little slack: SQLite's times are floats, and a start reserved an interval
+        # after another is that one plus the interval)
         taken = select(c.c.name).where(mine, last > after(t.c.eta, _SLACK - interval)).exists()
-        on_time = and_(t.c.slot == PACED, t.c.eta > since, ~taken)
+        # on time by the statement's own time: it only ever turns false as the clock
+        # moves on, and a start taken on time comes at most an interval after its own
+        on_time = and_(t.c.slot == PACED, t.c.eta > after(db_now(), -interval), ~taken)
         return or_(idle, on_time)
 
     def _claim_slot_rate_spec(
@@ -355,12 +360,9 @@ class Claims(Slots):
         reserved, now = conn.execute(select(eta, db_now())).one()
         return reserved, now
 
-    def _record_start(
-        self, conn: Connection, slot: Slot, reserved: datetime | None, at_now: datetime
-    ) -> None:
-        """A claim started the task at ``at_now`` (the claim's time, see
-        :meth:`_may_start`; under its key's lock); ``reserved``: the start reserved for
-        it (the row's ETA, if it was paced). The key's last start becomes
+    def _record_start(self, conn: Connection, slot: Slot, reserved: datetime | None) -> None:
+        """A claim started the task (under its key's lock); ``reserved``: the start
+        reserved for it (the row's ETA, if it was paced). The key's last start becomes
         the time this start owns an interval from (see :meth:`_may_start`):
 
         * a reserved start taken on time, in an interval no other start took: the
@@ -369,29 +371,27 @@ class Claims(Slots):
           within an interval of it, else an interval ago. The beat goes on through
           deliveries that come a little late instead of drifting later by each delay
           (an interval left without a start is lost to the rate), and a start still
-          comes less than an interval after the time it records, so any ``k``
+          comes at most an interval after the time it records, so any ``k``
           intervals hold at most ``k + 1`` starts.
 
         Its next start (the first not given out) is at least an interval after now; one
-        further on stays as it is: the starts given out keep their times."""
+        further on stays as it is: the starts given out keep their times. "Now" is the
+        database's time at this statement, after the claim's audit row: a key's first
+        start and its next free start count from it, so no start comes before its turn
+        by the time the statements of this claim took."""
         c = self.t.concurrency
         assert slot.interval is not None
-        kind = self.t.tasks.c.eta.type
-        now = bindparam("b_now", at_now, type_=kind)
-        # (the database's time now, after the claim's audit row: the first start of a
-        # key, and the next start, count from it, so no start comes before its turn
-        # by the time the statements of this claim took)
         soonest = after(db_now(), slot.interval)
         last = c.c.last_start_at
         beat = greatest(
             func.coalesce(after(last, slot.interval), db_now()),
-            after(now, -slot.interval),
+            after(db_now(), -slot.interval),
         )
         at: Any = beat
         if reserved is not None:
-            eta = bindparam("b_reserved", reserved, type_=kind)
+            eta = bindparam("b_reserved", reserved, type_=self.t.tasks.c.eta.type)
             on_time = and_(
-                eta > after(now, -slot.interval),
+                eta > after(db_now(), -slot.interval),
                 or_(last.is_(None), last <= after(eta, _SLACK - slot.interval)),
             )
             at = case((on_time, eta), else_=beat)
