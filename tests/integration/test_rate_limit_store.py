@@ -1,8 +1,10 @@
-"""Global rate limits in the store, on SQLite and PostgreSQL: a claim starts the task only
-when its key's next start has come, and moves that start one interval on; a claim that
-comes before it is given the next free start (the row's ETA, ``paced``), in the order
-the claims came, and the key's next start moves on past it; a paced row's claim at its
-ETA takes no other start. Keys are paced apart. A start far ahead is held in the store.
+"""Global rate limits in the store, on SQLite and PostgreSQL: a claim starts the task when
+its key is idle (the last start's interval has ended) or when the start reserved for it
+has come and no other start took its interval; any other claim is given the next free
+start (the row's ETA, ``paced``), in the order the claims came, and the key's next free
+start moves on past it; a paced row's claim at its ETA takes no other start. A late
+row fills an idle interval and is paced again right after a start. Keys are paced
+apart. A start far ahead is held in the store.
 """
 
 from __future__ import annotations
