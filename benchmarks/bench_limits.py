@@ -23,6 +23,11 @@
    second over the run, from the claims in the audit trail.
 
 ``--only throughput`` runs the throughput rounds alone (a minute or two).
+
+``--only rate`` runs the rate round alone (3,000 tasks submitted at once at "50/s",
+about a minute): starts a second over the run and over its first minute, the starts
+in each whole second (min, p5, p95, max), the most starts within any window of one
+interval and of one second, and how late each paced start came after its reserved one.
 """
 
 from __future__ import annotations
@@ -317,11 +322,17 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
                     conn.execute(select(func.count()).where(t.c.publish_count > 1)).scalar_one()
                 )
             spans = []
+            late = []
+            with store.engine.connect() as conn:
+                # a paced row's ETA is the start reserved for it (a submission has none)
+                etas = dict(conn.execute(select(t.c.id, t.c.eta).where(t.c.eta.is_not(None))).all())
             for task_id in ids:
                 trail = store.history(task_id)
                 began = [r.at.timestamp() for r in trail if r.to_state is State.RUNNING]
                 ended = [r.at.timestamp() for r in trail if r.from_state is State.RUNNING]
                 spans.append((began[-1], ended[-1]))
+                if etas.get(task_id) is not None:
+                    late.append((began[-1] - etas[task_id].timestamp()) * 1000)
         finally:
             for worker in workers:
                 worker.stop()
@@ -342,6 +353,7 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
         "republished": republished,
         "worker_cpu_ms": worker_cpu / n * 1000,
         "pg_cpu_ms": pg_cpu / n * 1000,
+        "late_ms": late,
     }
 
 
@@ -375,6 +387,71 @@ def flows_table(ctx: Context, flows: list[dict]) -> list[str]:
     )
 
 
+def rate_round(ctx: Context) -> dict:
+    """``global_rate_limit="50/s"``, 3,000 tasks submitted at once, three prefork
+    workers of two: how the starts (claims, database time) are spread."""
+    per_second = ctx.scale(50, 20)
+    rate = f"global_rate_limit='{per_second}/s'"
+    ctx.log(f"limits: workers, {rate} (load {loadavg()})")
+    paced = with_workers(ctx, rate, f", {rate}", ctx.scale(3000, 20), 0.0)
+    starts = sorted(paced["starts"])
+    span = starts[-1] - starts[0] if len(starts) > 1 else float("nan")
+    # starts in each whole second from the first, the last (partial) second left out
+    buckets = [0] * max(1, int(span))
+    for at in starts:
+        index = int(at - starts[0])
+        if index < len(buckets):
+            buckets[index] += 1
+    minute = min(60.0, span)
+    in_minute = sum(1 for at in starts if at - starts[0] < minute)
+
+    def most_within(window: float) -> int:
+        """The most starts in any window of ``window`` seconds (sliding)."""
+        best, lo = 0, 0
+        for hi, at in enumerate(starts):
+            while at - starts[lo] >= window:
+                lo += 1
+            best = max(best, hi - lo + 1)
+        return best
+
+    interval = 1.0 / per_second
+    late = paced["late_ms"]
+    lines = [
+        f"{rate}, {paced['n']:,} tasks submitted at once: {(len(starts) - 1) / span:.1f} "
+        f"starts/s over the run ({span:.1f} s, {(len(starts) - 1) / span / per_second:.3f}x "
+        f"the rate); {in_minute / minute:.1f} starts/s over its first {minute:.0f} s. Starts "
+        f"in each whole second: min {min(buckets)}, p5 {percentile(buckets, 5):.0f}, "
+        f"p95 {percentile(buckets, 95):.0f}, max {max(buckets)}. Most starts within any "
+        f"{interval * 1000:g} ms (one interval): {most_within(interval)}; within any second "
+        f"(sliding): {most_within(1.0)}. {len(late):,} starts were paced first; their start "
+        f"after the one reserved for them: p50 {median(late):.1f} ms, p95 "
+        f"{percentile(late, 95):.1f} ms, max {max(late, default=float('nan')):.1f} ms.",
+        "",
+    ]
+    return {
+        "lines": lines,
+        "data": {
+            "per_second": per_second,
+            "n": paced["n"],
+            "measured": (len(starts) - 1) / span,
+            "first_minute": in_minute / minute,
+            "buckets": buckets,
+            "most_per_interval": most_within(interval),
+            "most_per_second": most_within(1.0),
+            "late_ms": late,
+        },
+    }
+
+
+def run_rate(ctx: Context) -> Section:
+    """the rate round alone (global_rate_limit="50/s", about a minute)"""
+    section = Section("limits-rate", "15. Concurrency and rate limits: the rate round")
+    paced = rate_round(ctx)
+    section.lines += [*paced["lines"], f"Load average at the end: {loadavg()}."]
+    section.data = {"paced": paced["data"]}
+    return section
+
+
 def run(ctx: Context) -> Section:
     """The cost of concurrency and rate limits in the store."""
     section = Section("limits", "15. Concurrency and rate limits: cost per task, and at scale")
@@ -393,19 +470,7 @@ def run(ctx: Context) -> Section:
     waited = with_workers(
         ctx, "concurrency_limit=2", ", concurrency_limit=2", ctx.scale(400, 12), 0.02
     )
-    per_second = ctx.scale(50, 20)
-    rate = f"global_rate_limit='{per_second}/s'"
-    ctx.log(f"limits: workers, {rate}")
-    paced = with_workers(ctx, rate, f", {rate}", ctx.scale(3000, 20), 0.0)
-    starts = paced["starts"]
-    span = starts[-1] - starts[0] if len(starts) > 1 else float("nan")
-    # starts in each whole second from the first, the last (partial) second left out
-    buckets = [0] * max(1, int(span))
-    for at in starts:
-        index = int(at - starts[0])
-        if index < len(buckets):
-            buckets[index] += 1
-
+    paced = rate_round(ctx)
     base = rounds[0]
     section.lines += textwrap.dedent(__doc__ or "").strip().splitlines()[2:]
     section.lines += [""]
@@ -464,11 +529,8 @@ def run(ctx: Context) -> Section:
         f"claim (database time), over {len(gaps)} claims: p50 {median(gaps):.1f} ms, "
         f"p95 {percentile(gaps, 95):.1f} ms, max {max(gaps, default=float('nan')):.1f} ms.",
         "",
-        f"{rate}, {paced['n']:,} tasks: {(len(starts) - 1) / span:.1f} starts/s over "
-        f"{span:.1f} s ({(len(starts) - 1) / span / per_second:.3f}x the rate); starts in "
-        f"each whole second: min {min(buckets)}, max {max(buckets)}.",
-        "",
     ]
+    section.lines += paced["lines"]
     section.lines += [f"Load average at the end: {loadavg()}."]
     section.data = {
         "rounds": rounds,
@@ -476,12 +538,7 @@ def run(ctx: Context) -> Section:
         "workers": flows,
         "waited": {"n": waited["n"], "rate": waited["rate"], "gaps_ms": gaps},
         "limited_vs_plain": limited["rate"] / plain["rate"],
-        "paced": {
-            "per_second": per_second,
-            "n": paced["n"],
-            "measured": (len(starts) - 1) / span,
-            "buckets": buckets,
-        },
+        "paced": paced["data"],
     }
     return section
 
@@ -505,4 +562,4 @@ def run_throughput(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone(run, parts={"throughput": run_throughput}))
+    raise SystemExit(standalone(run, parts={"rate": run_rate, "throughput": run_throughput}))

@@ -78,9 +78,10 @@ class LeasedTask(Task[Any, Any]):
       task (``"tenant_id"``), or a callable of ``(args, kwargs)`` returning a string;
       with a key and no ``concurrency_limit`` (nor ``global_rate_limit``) the limit is 1.
     * ``global_rate_limit``: ``"100/s"``, ``"10/m"``, ``"1000/h"``: starts of the task
-      across all workers (per key with ``concurrency_key``), spaced evenly in database
-      time; a delivery that comes before its turn is given the next free start and
-      published again for it. Celery's own ``rate_limit`` keeps its per-worker meaning.
+      across all workers (per key with ``concurrency_key``), one an interval in
+      database time (at most ``k + 1`` in any ``k`` intervals); a delivery that comes
+      while the last start's interval runs is given the next free start and published
+      again for it. Celery's own ``rate_limit`` keeps its per-worker meaning.
     * ``unique_for``, ``unique_while``, ``on_conflict``: the defaults of the
       submission options of the same names (how long, in which states, a ``dedup_key``
       deduplicates, and what a duplicate does; see :meth:`apply_async`).

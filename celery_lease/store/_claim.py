@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -29,6 +30,7 @@ from sqlalchemy import (
     String,
     and_,
     bindparam,
+    case,
     column,
     func,
     or_,
@@ -58,6 +60,11 @@ from .schema import after, db_now, greatest
 #: Note for rows whose arguments could not be stored: they cannot be re-published.
 _NO_ARGS_NOTE = "arguments could not be stored as JSON: recovery needs a person"
 
+
+#: Seconds by which a start reserved on time may follow the key's last start by less
+#: than an interval: the rounding of a time plus an interval, minus it again (SQLite
+#: keeps times as floats of seconds: about a microsecond; PostgreSQL's are exact).
+_SLACK = 0.00001
 
 #: What a delivery claimed ahead is: (task id, the fresh token of its claim).
 Ask = tuple[str, str]
@@ -132,7 +139,7 @@ class Claims(Slots):
             """Only the key's next start, or its slot count, stopped a claim that should
             have moved the row: it is paced, or it waits for a slot."""
             if slot is not None and slot.interval is not None:
-                paced = self._pace(conn, task_id, slot)
+                paced = self._pace(conn, task_id, slot, params["b_now"])
                 if paced is not None:
                     return paced
             if slot is None or slot.limit <= 0 or not self.mark_waiting(conn, task_id, slot):
@@ -160,12 +167,13 @@ class Claims(Slots):
             return Refusal(task_id, state, f"task is {state}")
 
         def op(conn: Connection, is_retry: bool) -> Claim | Refusal:
-            reserved = True  # no start to take: no rate limit, or one reserved for it
+            reserved = None  # the start reserved for the row, if it was paced
             if slot is not None:
                 self.lock_slot(conn, slot)
                 if slot.interval is not None:
-                    reserved = self._reserved_start(conn, task_id, slot.interval)
+                    reserved, params["b_now"] = self._reserved(conn, task_id)
             rows = move(conn)
+            started = bool(rows)  # moved here (not our own first try's answer, lost)
             adopted = False
             if not rows:
                 due = self._claim_spec()[0][1]
@@ -192,6 +200,7 @@ class Claims(Slots):
                     # its ETA came between the claim and the read (a retry is delivered
                     # at its ETA, to the millisecond): claim it now
                     rows = move(conn)
+                    started = bool(rows)
                     if not rows and (waiting := waits(conn)) is not None:
                         return waiting
                 elif row is None and adopt is not None:
@@ -207,6 +216,7 @@ class Claims(Slots):
                     self._adopt(conn, adopt() if callable(adopt) else adopt)
                     adopted = True
                     rows = move(conn)  # an adopted row has no ETA: due at once
+                    started = bool(rows)
                     if not rows and (waiting := waits(conn)) is not None:
                         return waiting
                 elif row is not None and is_retry and row.token == token:
@@ -219,8 +229,8 @@ class Claims(Slots):
                     state = State(row.state) if row is not None else None
                     why = "no row for this message" if row is None else f"task is {state}"
                     return Refusal(task_id, state, why)
-            if not reserved and slot is not None and slot.interval is not None:
-                self._take_start(conn, slot)
+            if started and slot is not None and slot.interval is not None:
+                self._record_start(conn, slot, reserved)
             return claimed(rows[0], adopted)
 
         if not self.is_pg or slot is not None:
@@ -275,27 +285,56 @@ class Claims(Slots):
         self, spec: tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]
     ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
         """``spec`` for a task with a ``global_rate_limit`` (bind parameter
-        ``b_interval`` besides the slot's): the row moves only when its key's next start
-        has come, or when a start was reserved for it (``paced``: its ETA, part of every
-        claim's ``WHERE``, is that start) and has not passed by more than an interval."""
-        t, c = self.t.tasks, self.t.concurrency
+        ``b_interval`` besides the slot's): the row moves only when it may start now
+        (see :meth:`_may_start`)."""
+        t = self.t.tasks
         where, values, returning = spec
         name = bindparam("b_slot_name", type_=t.c.name.type)
         key = bindparam("b_slot_key", type_=t.c.slot_key.type)
-        later = (
-            select(c.c.name)
-            .where(c.c.name == name, c.c.key == key, c.c.next_start_at > db_now())
-            .exists()
-        )
-        return [*where, or_(self._on_time(t), ~later)], values, returning
+        return [*where, self._may_start(t, name, key)], values, returning
 
-    def _on_time(self, t: Any) -> ColumnElement[bool]:
-        """A paced row whose reserved start (its ETA) passed less than an interval ago
-        (bind parameter ``b_interval``). One later than that (its delivery ran late: a
-        backlog, a stopped worker) is paced again: late starts taken at once, several
-        together, would be a burst the rate forbids."""
+    def _may_start(self, t: Any, name: Any, key: Any) -> ColumnElement[bool]:
+        """Whether a row of (``name``, ``key``) may start now (bind parameters
+        ``b_interval`` and ``b_now``, the claim's time, read once under the key's lock:
+        whether the key is idle only ever turns true as the clock moves on, so the
+        claim's statements must agree on it, or a delivery could be found neither
+        startable nor to pace). Each start owns one
+        interval of the key's timeline, from the time it records
+        (``concurrency.last_start_at``, see :meth:`_record_start`). A row starts:
+
+        * **when the key is idle**: its last start's interval has ended. Any delivery
+          does: a fresh one, or one paced earlier that comes late (a backlog of
+          deliveries ahead of it, a worker stopped), so that an interval a late
+          delivery left without a start is filled, not lost to the rate;
+        * **on time for the start reserved for it** (paced: its ETA, which every
+          claim's ``WHERE`` requires to have come, passed less than an interval ago)
+          when no start took its interval: the key's last start is an interval before
+          its own at least.
+
+        Any other delivery is paced (again): given the key's next free start. So late
+        deliveries that come together start one an interval, never in a burst, and
+        since the times the starts record are an interval apart at least, and each
+        start comes at most an interval after its own, any window of ``k``
+        intervals holds at most ``k + 1`` starts. (A key whose last start is not known,
+        written before schema version 15, is idle once its next start has come.)"""
+        c = self.t.concurrency
         interval = bindparam("b_interval", type_=Float)
-        return and_(t.c.slot == PACED, t.c.eta > after(db_now(), -interval))
+        now = bindparam("b_now", type_=t.c.eta.type)
+        since = after(now, -interval)
+        last = c.c.last_start_at
+        mine = and_(c.c.name == name, c.c.key == key)
+        busy = or_(
+            last > since,
+            and_(last.is_(None), c.c.next_start_at > now),
+        )
+        idle = ~select(c.c.name).where(mine, busy).exists()
+        # (a little slack: SQLite's times are floats, and a start reserved an interval
+        # after another is that one plus the interval)
+        taken = select(c.c.name).where(mine, last > after(t.c.eta, _SLACK - interval)).exists()
+        # on time by the statement's own time: it only ever turns false as the clock
+        # moves on, and a start taken on time comes at most an interval after its own
+        on_time = and_(t.c.slot == PACED, t.c.eta > after(db_now(), -interval), ~taken)
+        return or_(idle, on_time)
 
     def _claim_slot_rate_spec(
         self,
@@ -311,49 +350,89 @@ class Claims(Slots):
         where, values, returning = self._rate_spec(self._claim_spec())
         return where, {**values, "slot": None, "slot_key": None}, returning
 
-    def _reserved_start(self, conn: Connection, task_id: str, interval: float) -> bool:
-        """Whether a start was reserved for ``task_id`` and it is on time (see
-        :meth:`_on_time`): its claim then takes no other. Read under its key's lock,
-        which every change of it takes."""
+    def _reserved(self, conn: Connection, task_id: str) -> tuple[datetime | None, datetime]:
+        """The start reserved for ``task_id`` (its ETA) if it is paced, else ``None``,
+        and the database's time: read under its key's lock, which every change of
+        them takes. That time is the claim's "now" for the rate (see
+        :meth:`_may_start`)."""
         t = self.t.tasks
-        q = select(self._on_time(t)).where(t.c.id == task_id)
-        return bool(conn.execute(q, {"b_interval": interval}).scalar())
+        eta = select(t.c.eta).where(t.c.id == task_id, t.c.slot == PACED).scalar_subquery()
+        reserved, now = conn.execute(select(eta, db_now())).one()
+        return reserved, now
 
-    def _take_start(self, conn: Connection, slot: Slot) -> None:
-        """A claim started the task now: its key's next start is one interval on."""
+    def _record_start(self, conn: Connection, slot: Slot, reserved: datetime | None) -> None:
+        """A claim started the task (under its key's lock); ``reserved``: the start
+        reserved for it (the row's ETA, if it was paced). The key's last start becomes
+        the time this start owns an interval from (see :meth:`_may_start`):
+
+        * a reserved start taken on time, in an interval no other start took: the
+          reserved time, so that the starts reserved after it keep their beat;
+        * a start in an idle key: the end of the last start's interval when it came
+          within an interval of it, else an interval ago. The beat goes on through
+          deliveries that come a little late instead of drifting later by each delay
+          (an interval left without a start is lost to the rate), and a start still
+          comes at most an interval after the time it records, so any ``k``
+          intervals hold at most ``k + 1`` starts.
+
+        Its next start (the first not given out) is at least an interval after now; one
+        further on stays as it is: the starts given out keep their times. "Now" is the
+        database's time at this statement, after the claim's audit row: a key's first
+        start and its next free start count from it, so no start comes before its turn
+        by the time the statements of this claim took."""
         c = self.t.concurrency
         assert slot.interval is not None
-        start = greatest(func.coalesce(c.c.next_start_at, db_now()), db_now())
+        soonest = after(db_now(), slot.interval)
+        last = c.c.last_start_at
+        beat = greatest(
+            func.coalesce(after(last, slot.interval), db_now()),
+            after(db_now(), -slot.interval),
+        )
+        at: Any = beat
+        if reserved is not None:
+            eta = bindparam("b_reserved", reserved, type_=self.t.tasks.c.eta.type)
+            on_time = and_(
+                eta > after(db_now(), -slot.interval),
+                or_(last.is_(None), last <= after(eta, _SLACK - slot.interval)),
+            )
+            at = case((on_time, eta), else_=beat)
         conn.execute(
             update(c)
             .where(c.c.name == slot.name, c.c.key == slot.key)
-            .values(next_start_at=after(start, slot.interval))
+            .values(
+                last_start_at=at,
+                next_start_at=greatest(func.coalesce(c.c.next_start_at, soonest), soonest),
+            )
         )
 
-    def _pace(self, conn: Connection, task_id: str, slot: Slot) -> Refusal | None:
-        """A PENDING row whose claim came before its key's next start (a fresh delivery,
-        or a paced one more than an interval late): that start is reserved for it (its
-        ETA; the key's next start moves one interval on), and its delivery is acked.
-        Published again at once (due then), or held in the store when the start is more
-        than ``lease_hold_eta_after`` away. ``None``: the next start has come (the claim
-        failed for another reason), or the row is not PENDING or has a start on time."""
+    def _pace(self, conn: Connection, task_id: str, slot: Slot, now: datetime) -> Refusal | None:
+        """A PENDING row that may not start now (:meth:`_may_start`: a start was taken
+        within the last interval, and it has no start of its own on time): the key's
+        next start is reserved for it (its ETA; the key's next start moves one interval on),
+        and its delivery is acked. Published again at once (due then), or held in the
+        store when the start is more than ``lease_hold_eta_after`` away. ``None``: the row
+        is not PENDING, or may start now (the claim failed for another reason)."""
         t, c = self.t.tasks, self.t.concurrency
         assert slot.interval is not None
-        on_time = self._on_time(t).label("on_time")
+        may = self._may_start(t, slot.name, slot.key).label("may")
         row = conn.execute(
-            select(t.c.state, on_time).where(t.c.id == task_id), {"b_interval": slot.interval}
+            select(t.c.state, may).where(t.c.id == task_id),
+            {"b_interval": slot.interval, "b_now": now},
         ).first()
-        if row is None or row.state != State.PENDING.value or row.on_time:
+        if row is None or row.state != State.PENDING.value or row.may:
             return None
-        start, now = conn.execute(
-            select(c.c.next_start_at, db_now()).where(c.c.name == slot.name, c.c.key == slot.key)
-        ).one()
+        start = conn.execute(
+            select(c.c.next_start_at).where(c.c.name == slot.name, c.c.key == slot.key)
+        ).scalar()
         if start is None or start <= now:
-            return None
+            # not given out since a start within the last interval (a key migrated from
+            # schema version 14, whose last start is not known): the next one after it
+            start = now + timedelta(seconds=slot.interval)
         conn.execute(
             update(c)
             .where(c.c.name == slot.name, c.c.key == slot.key)
-            .values(next_start_at=after(c.c.next_start_at, slot.interval))
+            .values(
+                next_start_at=after(bindparam("b_start", start, type_=t.c.eta.type), slot.interval)
+            )
         )
         delay = (start - now).total_seconds()
         hold = self.config.hold_eta_after is not None and delay > self.config.hold_eta_after

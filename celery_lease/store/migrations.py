@@ -189,6 +189,10 @@ def _rate_limits(conn: Connection, tables: Tables) -> None:
     _add_column(conn, tables.concurrency, "next_start_at")
 
 
+def _last_start(conn: Connection, tables: Tables) -> None:
+    _add_column(conn, tables.concurrency, "last_start_at")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -238,6 +242,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         "global rate limits: concurrency.next_start_at, the earliest start not given out; "
         "tasks.slot 'paced' (a start reserved at the row's ETA)",
         _rate_limits,
+    ),
+    Migration(
+        15,
+        "global rate limits: concurrency.last_start_at, the last start taken; a paced row "
+        "late for its start takes it when none was taken within an interval",
+        _last_start,
     ),
 )
 

@@ -180,7 +180,7 @@ def _greatest_sqlite(element: greatest, compiler: SQLCompiler, **kw: Any) -> str
 # -- the tables -----------------------------------------------------------------------------
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 #: PostgreSQL's fillfactor of the tasks table (schema version 9): part of each page is
 #: left free when rows are inserted, so that the updates of a task's lifecycle (the
@@ -522,6 +522,9 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         # global_rate_limit: the earliest start not yet given out (schema version 14);
         # each start, or a start reserved for a paced row, moves it one interval on
         Column("next_start_at", DbTime()),
+        # global_rate_limit: the last start taken (schema version 15); a paced row late
+        # for its reserved start takes it only when none was taken within an interval
+        Column("last_start_at", DbTime()),
     )
     schedules, beats = _schedule_tables(md, prefix)
     return Tables(

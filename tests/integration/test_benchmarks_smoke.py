@@ -434,7 +434,10 @@ def test_the_limits_benchmark_prints_its_tables(pg_url: str, redis_url: str) -> 
     # the limit of 2 made runs wait: their end -> next claim figures were measured
     assert re.search(r"over \d+ claims: p50 [\d.]+ ms, p95 [\d.]+ ms", proc.stdout)
     # the rate limit's starts per second were measured from the claims
-    assert re.search(r"global_rate_limit='20/s', 20 tasks: [\d.]+ starts/s", proc.stdout)
+    assert re.search(
+        r"global_rate_limit='20/s', 20 tasks submitted at once: [\d.]+ starts/s", proc.stdout
+    )
+    assert re.search(r"Most starts within any 50 ms \(one interval\): \d+", proc.stdout)
     # the claim counts a key's slots and a grant reads its waiting rows by index
     assert "0 sequential scans" in proc.stdout
     assert "Index Only Scan using lease_tasks_slot_running" in proc.stdout

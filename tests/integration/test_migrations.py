@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, func, insert, inspect, select
+from sqlalchemy import Engine, create_engine, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateSchema
 
@@ -19,7 +19,7 @@ from celery_lease import State
 from celery_lease.exceptions import SchemaOutOfDate, StoreError
 from celery_lease.store import SCHEMA_VERSION, Claim, NewTask, Refusal, Slot, build
 from celery_lease.store.migrations import MIGRATIONS
-from celery_lease.store.schema import TASKS_FILLFACTOR, db_now
+from celery_lease.store.schema import TASKS_FILLFACTOR, after, db_now
 
 from ..conftest import drop_pg_schema
 from ..helpers import migrate_in_process
@@ -360,6 +360,8 @@ def test_a_version_13_database_gains_the_rate_column_and_keeps_its_rows_and_slot
     t = store.t
     with store.engine.begin() as conn:  # the database as schema version 13 left it
         table = store.engine.dialect.identifier_preparer.format_table(t.concurrency)
+        # (and the column version 15 added after it: a migration adds a column last)
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN last_start_at")
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN next_start_at")
         conn.execute(t.version.delete().where(t.version.c.version > 13))
     assert store.schema_version() == 13
@@ -372,6 +374,85 @@ def test_a_version_13_database_gains_the_rate_column_and_keeps_its_rows_and_slot
     assert (usage.key, usage.limit, usage.running, usage.waiting) == ("k", 1, 1, 1)
     assert store.finish(running.lease, State.SUCCEEDED, actor="t", reason="ok")
     assert [p.id for p in store.grant([("t", "k")])] == ["waiting"]
+
+
+def test_a_version_14_database_gains_the_last_start_and_keeps_its_rows_slots_and_paces(
+    make_store,
+):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    owner = uuid.uuid4().hex
+    store.register_worker(owner, "w@host", "host", 1)
+
+    def task(task_id: str) -> NewTask:
+        return NewTask(
+            id=task_id, name="t", args="[]", kwargs="{}", options=None, lease_ttl=30,
+            max_recoveries=5,
+        )  # fmt: skip
+
+    ids = ("pending", "running", "waiting", "started", "paced", "done", "manual")
+    for task_id in ids:
+        store.submit(task(task_id))
+    store.mark_published(list(ids))
+    slot = Slot("t", "k", 1)
+    running = store.claim("running", owner, "w", slot=slot)
+    assert isinstance(running, Claim)
+    assert isinstance(store.claim("waiting", owner, "w", slot=slot), Refusal)
+    # a rate-limited key: one start taken, the next delivery paced to a start 60 s on
+    rate = Slot("t", "r", 0, interval=60.0)
+    assert isinstance(store.claim("started", owner, "w", slot=rate), Claim)
+    paced = store.claim("paced", owner, "w", slot=rate)
+    assert isinstance(paced, Refusal) and paced.paced
+    done = store.claim("done", owner, "w")
+    assert isinstance(done, Claim)
+    assert store.finish(done.lease, State.SUCCEEDED, actor="t", reason="ok")
+    manual = store.claim("manual", owner, "w")
+    assert isinstance(manual, Claim)
+    assert store.finish(manual.lease, State.WAIT_MANUAL, actor="t", reason="look")
+    before = {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)}
+    t = store.t
+    c = t.concurrency
+    with store.engine.connect() as conn:
+        next_start = conn.execute(select(c.c.next_start_at).where(c.c.key == "r")).scalar_one()
+        paced_eta = conn.execute(select(t.tasks.c.eta).where(t.tasks.c.id == "paced")).scalar()
+    with store.engine.begin() as conn:  # the database as schema version 14 left it
+        table = store.engine.dialect.identifier_preparer.format_table(c)
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN last_start_at")
+        conn.execute(t.version.delete().where(t.version.c.version > 14))
+    assert store.schema_version() == 14
+
+    assert store.migrate() == (14, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)} == before
+    with store.engine.connect() as conn:
+        rows = conn.execute(select(c.c.key, c.c.next_start_at, c.c.last_start_at)).all()
+        paced_row = conn.execute(
+            select(t.tasks.c.slot, t.tasks.c.eta).where(t.tasks.c.id == "paced")
+        ).one()
+    # the keys' next starts are kept; no last start is known from before the migration
+    assert {r.key: (r.next_start_at, r.last_start_at) for r in rows} == {
+        "k": (None, None),
+        "r": (next_start, None),
+    }
+    assert tuple(paced_row) == ("paced", paced_eta)
+    # the slot taken before the migration still counts; the waiting row still waits
+    (usage,) = store.slot_usage()
+    assert (usage.key, usage.limit, usage.running, usage.waiting) == ("k", 1, 1, 1)
+    assert store.finish(running.lease, State.SUCCEEDED, actor="t", reason="ok")
+    assert [p.id for p in store.grant([("t", "k")])] == ["waiting"]
+    # the paced row, its start come, starts: on time, and takes no other start
+    with store.engine.begin() as conn:
+        conn.execute(
+            update(t.tasks).where(t.tasks.c.id == "paced").values(eta=after(db_now(), -0.001))
+        )
+    assert isinstance(store.claim("paced", owner, "w", slot=rate), Claim)
+    with store.engine.connect() as conn:
+        last = conn.execute(select(c.c.last_start_at).where(c.c.key == "r")).scalar_one()
+        assert conn.execute(select(c.c.next_start_at).where(c.c.key == "r")).scalar_one() == (
+            next_start
+        )
+    assert last is not None  # its start is recorded
 
 
 def test_a_version_11_database_gains_the_revision_column_and_keeps_its_rows(make_store):

@@ -1,8 +1,10 @@
-"""Global rate limits in the store, on SQLite and PostgreSQL: a claim starts the task only
-when its key's next start has come, and moves that start one interval on; a claim that
-comes before it is given the next free start (the row's ETA, ``paced``), in the order
-the claims came, and the key's next start moves on past it; a paced row's claim at its
-ETA takes no other start. Keys are paced apart. A start far ahead is held in the store.
+"""Global rate limits in the store, on SQLite and PostgreSQL: a claim starts the task when
+its key is idle (the last start's interval has ended) or when the start reserved for it
+has come and no other start took its interval; any other claim is given the next free
+start (the row's ETA, ``paced``), in the order the claims came, and the key's next free
+start moves on past it; a paced row's claim at its ETA takes no other start. A late
+row fills an idle interval and is paced again right after a start. Keys are paced
+apart. A start far ahead is held in the store.
 """
 
 from __future__ import annotations
@@ -66,10 +68,24 @@ def next_start(store: Store, key: str = "") -> datetime | None:
 
 
 def make_due(store: Store, task_id: str) -> None:
-    """The row's ETA (its reserved start) has come, without waiting for it."""
-    t = store.t.tasks
+    """The row's ETA (its reserved start) has come, without waiting for it: every time
+    of the task's keys (the rows' ETAs, the keys' next and last starts) moves back by
+    as much, as if that time had passed."""
+    t, c = store.t.tasks, store.t.concurrency
     with store.engine.begin() as conn:
-        conn.execute(update(t).where(t.c.id == task_id).values(eta=after(db_now(), -0.001)))
+        eta, now = conn.execute(select(t.c.eta, db_now()).where(t.c.id == task_id)).one()
+        ago = -((eta - now).total_seconds() + 0.001)
+        conn.execute(
+            update(t).where(t.c.name == NAME, t.c.eta.is_not(None)).values(eta=after(t.c.eta, ago))
+        )
+        conn.execute(
+            update(c)
+            .where(c.c.name == NAME)
+            .values(
+                next_start_at=after(c.c.next_start_at, ago),
+                last_start_at=after(c.c.last_start_at, ago),
+            )
+        )
 
 
 def seconds(a: datetime, b: datetime) -> float:
@@ -102,8 +118,8 @@ def test_claims_before_the_next_start_are_given_the_following_starts_in_order(st
     early = store.claim(b, owner, "w", slot=slot)
     assert isinstance(early, Refusal) and early.early
     # at its start it runs, and takes no other start: c's stays reserved for c
-    reserved_next = next_start(store)
     make_due(store, b)
+    reserved_next = next_start(store)
     second = store.claim(b, owner, "w", slot=slot)
     assert isinstance(second, Claim) and second.lease.attempt == 1
     assert next_start(store) == reserved_next
@@ -113,7 +129,7 @@ def test_claims_before_the_next_start_are_given_the_following_starts_in_order(st
     # a fresh delivery is still paced, after every start given out
     late = store.claim(d, owner, "w", slot=slot)
     assert isinstance(late, Refusal) and late.paced
-    assert abs(seconds(rc.eta, row(store, d).eta) - 2.0) < 0.002
+    assert abs(seconds(row(store, c).eta, row(store, d).eta) - 2.0) < 0.002
 
     make_due(store, c)
     assert isinstance(store.claim(c, owner, "w", slot=slot), Claim)
@@ -157,9 +173,7 @@ def test_a_rate_and_a_concurrency_limit_both_hold(store):
     first = store.claim(a, owner, "w", slot=slot)
     assert isinstance(first, Claim)
     # the start has come (a millisecond), the one slot has not: b waits for the slot
-    t = store.t.concurrency
-    with store.engine.begin() as conn:
-        conn.execute(update(t).values(next_start_at=after(db_now(), -1.0)))
+    set_key(store, next_start=1.0, last_start=1.0)
     waiting = store.claim(b, owner, "w", slot=slot)
     assert isinstance(waiting, Refusal) and waiting.waiting and not waiting.paced
     assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")
@@ -181,30 +195,116 @@ def test_a_bad_rate_is_a_configuration_error_naming_the_task(rate: Any) -> None:
         parse_rate("task t", rate)
 
 
-def test_a_start_missed_by_more_than_an_interval_is_given_a_new_one_not_taken_late(store):
-    # deliveries that ran late (a backlog, a stopped worker) would otherwise start
-    # together when they come: a burst the rate forbids
+def set_eta(store: Store, task_id: str, seconds_ago: float) -> None:
+    t = store.t.tasks
+    with store.engine.begin() as conn:
+        conn.execute(update(t).where(t.c.id == task_id).values(eta=after(db_now(), -seconds_ago)))
+
+
+def set_key(store: Store, **seconds_ago: float) -> None:
+    """Move the key's ``next_start_at`` / ``last_start_at`` to so many seconds ago."""
+    c = store.t.concurrency
+    values = {f"{k}_at": after(db_now(), -v) for k, v in seconds_ago.items()}
+    with store.engine.begin() as conn:
+        conn.execute(update(c).where(c.c.name == NAME).values(**values))
+
+
+def last_start(store: Store) -> datetime | None:
+    c = store.t.concurrency
+    with store.engine.connect() as conn:
+        found: datetime | None = conn.execute(
+            select(c.c.last_start_at).where(c.c.name == NAME)
+        ).scalar_one()
+        return found
+
+
+def test_a_late_row_fills_an_idle_interval_and_is_paced_again_right_after_a_start(store):
+    # deliveries that ran late (a backlog, a stopped worker) take their start when the
+    # key has been idle for an interval; right after a start they are given a new one:
+    # late starts taken together would be a burst the rate forbids
+    owner = register(store)
+    slot = Slot(NAME, "", 0, interval=2.0)
+    a, b, c, d = submit(store, 4)
+    assert isinstance(store.claim(a, owner, "w", slot=slot), Claim)
+    started = last_start(store)
+    assert started is not None and abs(seconds(started, store.now())) < 0.5
+    for task_id in (b, c, d):
+        assert isinstance(store.claim(task_id, owner, "w", slot=slot), Refusal)
+    line_end = next_start(store)  # d's start + an interval: the end of the line
+
+    # b's start passed long ago, and a started just now: b is paced again, at the end
+    set_eta(store, b, 30.0)
+    again = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(again, Refusal) and again.paced
+    assert abs(seconds(line_end, row(store, b).eta)) < 0.002
+    assert abs(seconds(row(store, b).eta, next_start(store)) - 2.0) < 0.002
+
+    # the key idle for more than an interval: c, long late, starts at once, and the
+    # starts given out after it keep their times (it filled an idle interval); the
+    # start it records is the end of the last one's interval (the beat goes on)
+    set_key(store, last_start=2.5)
+    set_eta(store, c, 30.0)
+    line_end = next_start(store)
+    late = store.claim(c, owner, "w", slot=slot)
+    assert isinstance(late, Claim) and late.lease.attempt == 1
+    assert next_start(store) == line_end
+    recorded = last_start(store)
+    assert recorded is not None and abs(seconds(recorded, store.now()) - 0.5) < 0.1
+
+    # d, late too, right after c's start: paced again
+    set_eta(store, d, 30.0)
+    assert isinstance(store.claim(d, owner, "w", slot=slot), Refusal)
+    assert row(store, d).slot == "paced" and abs(seconds(line_end, row(store, d).eta)) < 0.002
+
+    # a fresh delivery in an idle key starts too, ahead of the starts given out
+    # (late or not, its delivery is here: the interval is not left empty)
+    set_key(store, last_start=2.5)
+    line_end = next_start(store)
+    (e,) = submit(store, 1)
+    assert isinstance(store.claim(e, owner, "w", slot=slot), Claim)
+    assert next_start(store) == line_end
+
+    # with no start ahead of it either (the key idle for long), a late row starts; it
+    # records the start an interval ago (the most a start may count back), so one
+    # more may start at once, and the next is paced an interval on: never more than
+    # k + 1 starts in k intervals
+    set_key(store, next_start=10.0, last_start=10.0)
+    set_eta(store, d, 5.0)
+    assert isinstance(store.claim(d, owner, "w", slot=slot), Claim)
+    recorded = last_start(store)
+    assert recorded is not None and abs(seconds(recorded, store.now()) - 2.0) < 0.1
+    f, g = submit(store, 2)
+    assert isinstance(store.claim(f, owner, "w", slot=slot), Claim)
+    fresh = store.claim(g, owner, "w", slot=slot)
+    assert isinstance(fresh, Refusal) and fresh.paced
+    ahead = next_start(store)
+    assert ahead is not None and 3.9 <= seconds(store.now(), ahead) <= 4.0  # g's, then
+
+
+def test_an_on_time_start_whose_interval_a_late_row_filled_is_paced_again(store):
+    # a late row started in the interval before b's reserved start: b's delivery, on
+    # time, would make two starts within an interval, so b is given a new start
     owner = register(store)
     slot = Slot(NAME, "", 0, interval=2.0)
     a, b, c = submit(store, 3)
     assert isinstance(store.claim(a, owner, "w", slot=slot), Claim)
     for task_id in (b, c):
         assert isinstance(store.claim(task_id, owner, "w", slot=slot), Refusal)
-    t = store.t.tasks
-    with store.engine.begin() as conn:  # b's start passed three seconds ago
-        conn.execute(update(t).where(t.c.id == b).values(eta=after(db_now(), -3.0)))
-    after_c = next_start(store)
-    late = store.claim(b, owner, "w", slot=slot)
-    assert isinstance(late, Refusal) and late.paced
-    # b is given the next free start, after c's; c keeps its own
-    assert abs(seconds(after_c, row(store, b).eta)) < 0.002
-    assert abs(seconds(row(store, b).eta, next_start(store)) - 2.0) < 0.002
-    # with no start ahead of it (the key idle), a late row starts at once, and it
-    # takes a start: the next one is an interval away
-    c_ = store.t.concurrency
-    with store.engine.begin() as conn:
-        conn.execute(update(c_).values(next_start_at=after(db_now(), -10.0)))
-        conn.execute(update(t).where(t.c.id == c).values(eta=after(db_now(), -5.0)))
-    assert isinstance(store.claim(c, owner, "w", slot=slot), Claim)
-    ahead = next_start(store)
-    assert ahead is not None and 1.9 <= seconds(store.now(), ahead) <= 2.0
+    set_key(store, last_start=3.0)  # the key idle
+    set_eta(store, c, 30.0)
+    assert isinstance(store.claim(c, owner, "w", slot=slot), Claim)  # c fills it late
+    # c's start 1.5 s ago (its interval not over), and b's reserved start came 1.0 s
+    # ago, after c's: b is on time, but its interval had c's start: given a new one
+    set_key(store, last_start=1.5)
+    set_eta(store, b, 1.0)
+    line_end = next_start(store)
+    refused = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(refused, Refusal) and refused.paced
+    assert abs(seconds(line_end, row(store, b).eta)) < 0.002
+    # on time with the last start an interval before its own: it runs, and the start
+    # it records is its reserved one, not the moment its delivery came
+    set_key(store, last_start=4.0)
+    set_eta(store, b, 1.7)
+    assert isinstance(store.claim(b, owner, "w", slot=slot), Claim)
+    recorded = last_start(store)
+    assert recorded is not None and abs(seconds(recorded, store.now()) - 1.7) < 0.1

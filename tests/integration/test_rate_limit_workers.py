@@ -3,6 +3,9 @@ processes each run a task limited to 4 starts a second, and a task limited to 2 
 second per tenant; from the audit trail (database time) the k-th start of a key never
 comes before k intervals after its first, every task ran once, and none waited for a
 sweep: a delivery before its turn was given the next free start and published for it.
+A backlog (60 deliveries at once at 20 a second, so that paced deliveries run late
+behind the ones still being paced) never bursts: any window of k intervals holds at
+most k + 1 starts.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ def paced(i):
 )
 def per_tenant(i, tenant):
     return i
+
+
+@app.task(base=LeasedTask, shared=False, name="r.backlog", global_rate_limit="20/s")
+def backlog(i):
+    return i
 """
 
 
@@ -48,6 +56,19 @@ def before_their_turn(times: list[float], interval: float) -> list[int]:
     delivered a moment after), never early. (A little slack for SQLite's clock, read
     per statement.)"""
     return [k for k, at in enumerate(times) if at - times[0] < k * interval - 0.003]
+
+
+def bursts(times: list[float], interval: float) -> list[tuple[int, int]]:
+    """The runs of starts that no design without bursts allows: ``m + 1`` starts (from
+    the ``i``-th) within less than ``m - 1`` intervals, i.e. more than ``k + 1`` in a
+    window of ``k`` intervals. (A little slack: a start's audit row and the start it
+    records are two statements of its claim.)"""
+    return [
+        (i, m)
+        for i in range(len(times))
+        for m in range(2, len(times) - i)
+        if times[i + m] - times[i] < (m - 1) * interval - 0.005
+    ]
 
 
 @pg_only()
@@ -72,3 +93,21 @@ def test_starts_are_spaced_by_the_rate_across_workers_and_each_task_runs_once(
         assert len(mine) == 3 and before_their_turn(mine, 0.5) == [], mine
     # deliveries did come before their turn, and were paced
     assert any("paced by the global rate limit of r.paced" in w.log_text() for w in p.workers)
+
+
+@pg_only()
+def test_a_backlog_of_late_deliveries_starts_without_a_burst(
+    lease_env: LeaseEnv, broker_url: str
+) -> None:
+    p = lease_env.project(broker_url=broker_url, source=SOURCE, embedded_reaper=False, ttl=10.0)
+    workers = [p.worker(name, concurrency=2, ready=False) for name in ("w1", "w2")]
+    for worker in workers:
+        worker.wait_ready(timeout=60, store=p.store)
+    ids = [p.submit("r.backlog", i) for i in range(60)]
+    for task_id in ids:
+        record = p.wait_state(task_id, S.SUCCEEDED, timeout=120)
+        assert record.attempt == 1  # paced (maybe more than once), run once
+    times = starts(p, ids)
+    assert len(times) == 60
+    assert before_their_turn(times, 0.05) == [], times
+    assert bursts(times, 0.05) == [], times
