@@ -100,8 +100,8 @@ BEATING = (7, 7, 7, 3, 1, 0)
 
 
 def _note(what: str) -> None:
-    """Count ``what`` in Hypothesis's statistics (``--hypothesis-show-statistics``:
-    how often the limits' cases come up); nothing when a test calls the rules itself."""
+    """Record ``what`` as a Hypothesis event (how often the limits' cases come up);
+    nothing when a test calls the rules itself, outside a Hypothesis run."""
     if currently_in_test_context():
         event(what)
 
