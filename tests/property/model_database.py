@@ -33,7 +33,9 @@ TIMINGS: dict[str, Any] = {
     "heartbeat_interval": 3.5,
     "reaper_interval": 3.5,
     "publish_grace": 1.5,
-    "republish_after": 4.5,
+    # doubled per publish (backoff): 4.5 s would reach whole seconds from the second
+    # publish on; the 1/1024 s more keeps every multiple off them
+    "republish_after": 4.5 + 2**-10,
     "max_age": 60.5,
     "retention": 30.5,
 }
