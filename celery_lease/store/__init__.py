@@ -393,11 +393,12 @@ class Store(UniqueSubmission, Claims, Outcomes, Sweeps, Operator, Schedules, Sch
         # a row waiting for a concurrency slot while its key has one free, and nothing
         # of that key changed for the grace (a free changes the row it ends, a grant
         # the row it grants): no grant is in flight, the reaper's backstop should have
-        # granted it
+        # granted it (unless its task is paused: grants leave a paused task's rows)
         c, peer = self.t.concurrency, t.alias("peer")
         waiting_with_free_slot = and_(
             t.c.state == State.PENDING.value,
             t.c.slot == WAITING,
+            self.paused_names_clause(),
             exists(
                 select(c.c.name).where(
                     c.c.name == t.c.name,

@@ -241,6 +241,26 @@ def test_lease_check_reports_a_row_left_waiting_while_its_key_has_a_free_slot(st
     assert reported(0.0) == []  # granted
 
 
+def test_lease_check_leaves_the_waiting_rows_of_a_paused_task_alone(store):
+    """What the store's model found: grants leave a paused task's waiting rows (the
+    pause holds them), so a free slot of their key is no missed grant."""
+    owner = register(store)
+    slot = Slot(NAME, "t", 1)
+    a, b = submit(store, 2)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    assert isinstance(store.claim(b, owner, "w", slot=slot), Refusal)
+    assert store.pause("task", NAME, actor="ops", reason="deploy")
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")
+    assert store.take_waiting() == []  # paused: held
+    found = check(store, grace=0.0)
+    assert [v.task_id for v in found if v.kind == "waiting_with_free_slot"] == []
+    assert store.resume("task", NAME, actor="ops", reason="deployed")
+    found = check(store, grace=0.0)
+    assert [v.task_id for v in found if v.kind == "waiting_with_free_slot"] == [b]
+    assert [p.id for p in store.take_waiting()] == [b]
+
+
 def overrun_one(store: Store) -> tuple[Claim, str, str]:
     """A limit of 1: row ``a`` claimed and moved to WAIT_MANUAL by an overrun (its
     owner alive, still running it), row ``b`` delivered and waiting; (a's claim, b, the

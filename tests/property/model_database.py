@@ -33,7 +33,9 @@ TIMINGS: dict[str, Any] = {
     "heartbeat_interval": 3.5,
     "reaper_interval": 3.5,
     "publish_grace": 1.5,
-    "republish_after": 4.5,
+    # doubled per publish (backoff): 4.5 s would reach whole seconds from the second
+    # publish on; the 1/1024 s more keeps every multiple off them
+    "republish_after": 4.5 + 2**-10,
     "max_age": 60.5,
     "retention": 30.5,
 }
@@ -84,8 +86,9 @@ class Database:
             return None
         return (EPOCH.timestamp() + self.now) / 86400.0 + 2440587.5
 
-    def new_store(self) -> Store:
-        """A migrated store on tables no earlier example touched, its clock at EPOCH."""
+    def new_store(self, store_class: type[Store] = Store) -> Store:
+        """A migrated store (a ``store_class``) on tables no earlier example touched,
+        its clock at EPOCH."""
         self._count += 1
         self.set_clock(0.0)
         if self.url is None:
@@ -96,7 +99,7 @@ class Database:
         else:
             schema = f"model_{uuid.uuid4().hex[:10]}"
             config = LeaseConfig(database_url=self.url, schema=schema, **TIMINGS)
-        store = Store(config)
+        store = store_class(config)
         # before the first connection: every connection of the store reads the clock
         if self.url is None:
 

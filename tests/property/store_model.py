@@ -9,7 +9,14 @@ claims (one and in batches), steps started and done, progress, outcomes (success
 failure, cancel, retry; one by one and in batches), a lease given up, time passing,
 the reaper's sweeps (expiry and its recovery decision: retry, WAIT_MANUAL, poison, too
 old, cancel; overruns; due retries; re-publishing), operator moves (retry, fail,
-resolve, cancel), cancel requests, pauses, retention and tombstones.
+resolve, cancel), cancel requests, pauses, retention and tombstones; and the
+concurrency limits of a limited task (``concurrency_limit`` per ``concurrency_key``,
+and in some examples a ``global_rate_limit``): claims with a
+:class:`~celery_lease.store.Slot` (a claim the count stops leaves the row waiting; one
+the rate stops is paced to a later start), the slots freed by outcomes, retries,
+expiries, overruns and runs ended, the grants of the worker whose commit freed them
+(``Slots.grant``) and the reaper's backstop (``take_waiting``), cancelled and paused
+waiting rows.
 
 A plain-Python reference model (:class:`Model`: the rules of ``celery_lease/states.py``,
 ``celery_lease/policy.py`` and DESIGN.md, written again without SQL) predicts every
@@ -23,7 +30,15 @@ answer. After every rule the database must equal the model and these must hold:
   that does not hold the lease changes nothing (the database still equals the model);
 * the audit trail of every task is exactly the transitions the model saw, in order;
 * a done step is never re-run: a step's function is called only while its row is not
-  DONE, and a DONE row's result and attempt never change.
+  DONE, and a DONE row's result and attempt never change;
+* a limit is never exceeded: the slots in use under each (name, key) (RUNNING rows of
+  the key, rows granted a slot, overruns whose owner lives) never number more than the
+  limit, as the model counts them and as the store's own ``slot_usage`` does; after a
+  grant, and after the backstop, no row waits while its key has a slot free (unless
+  its task is paused); ``lease check``'s ``waiting_with_free_slot`` reports only rows
+  the model says wait with a slot free; every commit that ended a run holding a slot
+  told ``on_slots_freed`` its (name, key); with a rate limit, each key's next start is
+  the model's and the starts taken under a key are at least an interval apart.
 
 **The clock.** Every decision compares database time, and the test sets the database's
 clock in SQL the database evaluates (see :mod:`tests.property.model_database`): time
@@ -38,18 +53,28 @@ ten microseconds).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import uuid
 from datetime import datetime, timezone
 from typing import Any
 
+from hypothesis import currently_in_test_context, event
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from sqlalchemy import select
 
 from celery_lease.check import check
 from celery_lease.exceptions import IllegalTransition, TaskNotFound
 from celery_lease.states import STEP_DONE, STEP_STARTED, Actor, State, sources
-from celery_lease.store import Claim, Lease, NewTask, Outcome, Refusal
+from celery_lease.store import Claim, Lease, NewTask, Outcome, Refusal, Slot, Store
 
 from .model_database import EPOCH, TIMINGS, Database
 
@@ -63,7 +88,19 @@ MAX_RUNTIMES = (None, 6.5)
 COUNTDOWNS = (None, 0.0, 2.5)
 RETRY_DELAYS = (0.0, 2.5)
 TICKS = (1, 2, 3, 5, 8, 13)
-NAMES = ("mail", "ship")
+NAMES = ("mail", "ship", "lim")
+#: The limited task: at most ``StoreMachine.limit`` RUNNING at once per concurrency key.
+LIMITED = "lim"
+#: The concurrency keys of the limited task's submissions (its argument ``k``).
+SLOT_KEYS = ("k=a", "k=b")
+#: The limit an example's limited task gives (drawn once per example).
+LIMITS = (1, 2)
+#: Seconds between two starts per key its ``global_rate_limit`` gives (``None``: none).
+#: Starts add up intervals from a whole second: 2.5 s would put every second start on a
+#: whole second, where the clock stops (a boundary). The 1/1024 s more keeps all of the
+#: first 511 starts off whole seconds by about a millisecond at least (exact in binary,
+#: and a hundred times what SQLite's REAL timestamps blur).
+RATE_INTERVALS = (None, 2.5 + 2**-10)
 DEDUP_KEYS = ("k0", "k1", "k2")
 STEPS = ("load", "charge", "send")
 NODES = ("n1", "n2", "n3")
@@ -73,10 +110,40 @@ MAX_TASKS = 6
 BEATING = (7, 7, 7, 3, 1, 0)
 
 
+def _note(what: str) -> None:
+    """Record ``what`` as a Hypothesis event (how often the limits' cases come up);
+    nothing when a test calls the rules itself, outside a Hypothesis run."""
+    if currently_in_test_context():
+        event(what)
+
+
+def _seconds(at: datetime) -> float:
+    """A database time as seconds since EPOCH (the model's time)."""
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return (at - EPOCH).total_seconds()
+
+
 # -- the reference model ----------------------------------------------------------------
 
 FINISHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
 LIVE = (State.RUNNING, State.WAIT_MANUAL)
+#: What ``lease check`` reports only with ``liveness`` (a reaper not running).
+LIVENESS_KINDS = frozenset(
+    {
+        "dead_owner",
+        "unpublished",
+        "republish_overdue",
+        "held_overdue",
+        "retry_overdue",
+        "stuck_timeout",
+        "follow_ups_overdue",
+        "no_publisher",
+        "waiting_with_free_slot",
+    }
+)
+#: ``tasks.slot`` values (celery_lease/store/_slots.py), written again.
+WAITING, GRANTED, OVERRUN, PACED = "waiting", "granted", "overrun", "paced"
 
 
 @dataclasses.dataclass
@@ -117,6 +184,11 @@ class MTask:
     steps: dict[str, MStep] = dataclasses.field(default_factory=dict)
     #: Bumped when a new run replaces the row (resubmission, adoption after a purge).
     generation: int = 0
+    #: The limited task's concurrency key (from its arguments); ``None``: not limited.
+    key: str | None = None
+    #: ``tasks.slot`` and ``tasks.slot_key`` as the store must have written them.
+    slot: str | None = None
+    slot_key: str | None = None
 
 
 @dataclasses.dataclass
@@ -163,11 +235,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     #: Set by the test (or the script) before the machine runs.
     database: Database
+    #: The store the machine drives (a test that plants a bug in a copy of a store
+    #: statement drives a subclass).
+    store_class: type[Store] = Store
 
     def __init__(self) -> None:
         super().__init__()
         self.db = self.database
-        self.store = self.db.new_store()
+        self.store = self.db.new_store(self.store_class)
         self.now = 0.0
         self.tasks: dict[str, MTask] = {}
         self.trails: dict[str, list[tuple[State | None, State, int]]] = {}
@@ -178,6 +253,21 @@ class StoreMachine(RuleBasedStateMachine):
         #: Calls of each step's function: (task id, generation, step) -> count.
         self.calls: dict[tuple[str, int, str], int] = {}
         self.ids_made = 0
+        #: The limited task's limit (drawn by :meth:`choose_limit`).
+        self.limit = LIMITS[0]
+        #: Its ``global_rate_limit`` as seconds between two starts per key (or none).
+        self.interval: float | None = None
+        #: Each key's next start (``concurrency.next_start_at``), and the starts taken:
+        #: a claim's reserved start, or the claim's time.
+        self.next_start: dict[tuple[str, str], float] = {}
+        self.started: dict[tuple[str, str], list[float]] = {}
+        #: (name, key) pairs a limited claim locked (the store has a row for each).
+        self.keys: set[tuple[str, str]] = set()
+        #: The pairs the store told ``on_slots_freed`` since the last grant rule, and
+        #: those the model says it must have told (runs holding a slot that ended).
+        self.freed: set[tuple[str, str]] = set()
+        self.expected_freed: set[tuple[str, str]] = set()
+        self.store.on_slots_freed = self.freed.update
         for node in NODES[:2]:  # two workers from the start; more come and go by rules
             self.start_worker(node)
 
@@ -194,6 +284,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.trails.setdefault(task.id, []).append((frm, to, task.attempt))
         if frm is not None:
             assert task.state is frm
+        if frm in LIVE and task.slot_key is not None:
+            # a run that may hold a slot ended: the commit tells which (the grant counts)
+            self.expected_freed.add((task.name, task.slot_key))
         task.state = to
         task.updated_at = self.now
 
@@ -230,6 +323,7 @@ class StoreMachine(RuleBasedStateMachine):
         return MTask(
             id=task_id,
             name=spec["name"],
+            key=spec["key"] if spec["name"] == LIMITED else None,
             dedup_key=spec["dedup_key"],
             lease_ttl=spec["lease_ttl"],
             max_runtime=spec["max_runtime"],
@@ -279,6 +373,8 @@ class StoreMachine(RuleBasedStateMachine):
         return task_id, True
 
     def _claimed(self, task: MTask, worker: MWorker, lease: Lease) -> None:
+        if task.key is not None:
+            task.slot, task.slot_key = None, task.key
         task.attempt += 1
         assert lease.attempt == task.attempt, (lease, task.attempt)
         self._audit(task, State.PENDING, State.RUNNING)
@@ -314,12 +410,127 @@ class StoreMachine(RuleBasedStateMachine):
         """The reaper's ``take_unpublished`` takes this row."""
         if task.state is not State.PENDING or task.name in self.paused:
             return False
+        if task.slot == WAITING:
+            return False  # acked on purpose: published when granted a slot
         if task.published_at is None:
             return task.updated_at + TIMINGS["publish_grace"] < self.now
         pc = task.publish_count
         backoff = 1 if pc <= 1 else 64 if pc >= 7 else 1 << (pc - 1)
         base = max(task.eta if task.eta is not None else task.published_at, task.published_at)
         return base + TIMINGS["republish_after"] * backoff < self.now
+
+    # -- concurrency limits --------------------------------------------------------------
+
+    def _slot(self, task: MTask) -> Slot | None:
+        """The slot a delivery of ``task`` claims with (``None``: not limited)."""
+        return None if task.key is None else Slot(LIMITED, task.key, self.limit, self.interval)
+
+    def _in_use(self, name: str, key: str, exclude: str | None = None) -> int:
+        """The slots in use under (name, key), as the design counts them: RUNNING rows of
+        the key, rows granted a slot (not ``exclude``: a granted row claims its own),
+        overruns whose owner lives."""
+
+        def holds(t: MTask) -> bool:
+            if t.state is State.PENDING:
+                return t.slot == GRANTED and t.id != exclude
+            if t.state is State.WAIT_MANUAL:
+                return t.slot == OVERRUN and not self._expired(t)
+            return t.state is State.RUNNING
+
+        return sum(holds(t) for t in self.tasks.values() if (t.name, t.slot_key) == (name, key))
+
+    def _waiting(self, name: str, key: str) -> list[MTask]:
+        """The rows of (name, key) waiting for a slot, in the order grants take them."""
+        rows = [
+            t
+            for t in self.tasks.values()
+            if t.name == name
+            and t.slot_key == key
+            and t.state is State.PENDING
+            and t.slot == WAITING
+        ]
+        return sorted(rows, key=lambda t: (t.created_at, t.id))
+
+    def _waits_with_free_slot(self, name: str, key: str) -> list[str]:
+        """Rows of (name, key) a grant should have given a slot (a paused task's wait)."""
+        if name in self.paused or self._in_use(name, key) >= self.limit:
+            return []
+        return [t.id for t in self._waiting(name, key)]
+
+    def _grant(self, name: str, key: str) -> list[str]:
+        """``Slots.grant`` of one pair: its free slots to its oldest waiting rows."""
+        if (name, key) not in self.keys or name in self.paused:
+            return []
+        free = self.limit - self._in_use(name, key)
+        granted = self._waiting(name, key)[: max(0, free)]
+        for task in granted:
+            task.slot = GRANTED
+            task.published_at = None
+            task.updated_at = self.now
+        return [t.id for t in granted]
+
+    def _published_granted(self, ids: list[str], published: bool) -> None:
+        """The granter publishes the rows granted (``published``) or dies first (the
+        reaper's grace sweep publishes them)."""
+        if published and ids:
+            self.store.mark_published(ids)
+            for task_id in ids:
+                self._published(self.tasks[task_id])
+
+    @precondition(lambda self: self.freed)
+    @rule(lost=st.sampled_from((False, False, False, True)), published=st.booleans())
+    def grant_freed(self, lost: bool, published: bool) -> None:
+        """The process whose commit freed slots grants them at once (``on_slots_freed``),
+        unless it died first (``lost``: the backstop grants them)."""
+        pairs = sorted(self.freed)
+        self.freed.clear()
+        self.expected_freed.clear()
+        if lost:
+            return
+        rows = self.store.grant(pairs)
+        expected = [i for name, key in pairs for i in self._grant(name, key)]
+        assert sorted(p.id for p in rows) == sorted(expected), (rows, expected)
+        if expected:
+            _note("limits: a freed slot granted to a waiting row")
+        for name, key in pairs:
+            left = self._waits_with_free_slot(name, key)
+            assert not left, f"{name}[{key}]: {left} wait with a slot free after its grant"
+        self._published_granted(expected, published)
+
+    @rule(published=st.booleans())
+    def reap_waiting(self, published: bool) -> None:
+        """The reaper's backstop: every key's free slots to its oldest waiting rows."""
+        rows = self.store.take_waiting()
+        expected = [i for name, key in sorted(self.keys) for i in self._grant(name, key)]
+        assert sorted(p.id for p in rows) == sorted(expected), (rows, expected)
+        if expected:
+            _note("limits: the backstop granted a slot to a waiting row")
+        for name, key in sorted(self.keys):
+            left = self._waits_with_free_slot(name, key)
+            assert not left, f"{name}[{key}]: {left} wait with a slot free after the backstop"
+        self._published_granted(expected, published)
+
+    @precondition(lambda self: self.workers)
+    @rule(i=PICK)
+    def worker_ends_its_runs(self, i: int) -> None:
+        """A worker stopping (or restarted) ends every run it owns: its RUNNING rows
+        expire, its overruns give their slot back (and stay WAIT_MANUAL)."""
+        worker = self._pick(self.workers, i)
+        expiries = self.store.expire(
+            actor="w", reason="worker stopping", owners=[worker.id], only_expired=False
+        )
+        for task in self.tasks.values():
+            mine = task.owner == worker.id and task.state is State.WAIT_MANUAL
+            if mine and task.slot == OVERRUN:
+                assert task.slot_key is not None
+                task.slot = None
+                self.expected_freed.add((task.name, task.slot_key))
+                _note("limits: an overrun's run ended, its slot freed")
+        expected: dict[str, State] = {}
+        for task in self.tasks.values():
+            if task.state is State.RUNNING and task.owner == worker.id:
+                expected[task.id] = self._expire(task)
+        assert {e.task_id: e.to_state for e in expiries} == expected
 
     # -- time and workers -----------------------------------------------------------------
 
@@ -367,15 +578,40 @@ class StoreMachine(RuleBasedStateMachine):
 
     specs = st.fixed_dictionaries(
         {
-            "name": st.sampled_from(NAMES),
+            "name": st.sampled_from((*NAMES, LIMITED)),  # half of them limited
             "dedup_key": st.none() | st.sampled_from(DEDUP_KEYS),
             "lease_ttl": st.sampled_from(LEASE_TTLS),
             "max_runtime": st.sampled_from(MAX_RUNTIMES),
             "max_recoveries": st.integers(0, 2),
             "on_timeout": st.sampled_from(("retry", "retry", "retry", "manual")),
             "countdown": st.sampled_from(COUNTDOWNS),
+            "key": st.sampled_from(SLOT_KEYS),
         }
     )
+
+    @initialize(
+        limit=st.sampled_from(LIMITS),
+        interval=st.sampled_from(RATE_INTERVALS),
+        spec=specs,
+        key=st.sampled_from(SLOT_KEYS),
+        n=st.integers(2, 3),
+        workers=st.lists(PICK, min_size=2, max_size=3),
+    )
+    def start(
+        self,
+        limit: int,
+        spec: dict[str, Any],
+        key: str,
+        n: int,
+        workers: list[int],
+        interval: float | None = None,
+    ) -> None:
+        """The limited task's ``concurrency_limit`` in this example, its
+        ``global_rate_limit`` (or none), and a first burst of its rows, two or three of
+        them delivered (see :meth:`submit_limited`): every example starts with work to
+        do, and a limit to respect."""
+        self.limit, self.interval = limit, interval
+        self.submit_limited(spec, key, n, workers)
 
     @precondition(lambda self: len(self.tasks) < MAX_TASKS)
     @rule(spec=specs)
@@ -383,6 +619,28 @@ class StoreMachine(RuleBasedStateMachine):
         task_id = self._new_id()
         answer = self.store.submit(self._row(spec, task_id))
         assert answer == self._expect_submit(spec, task_id)
+
+    @precondition(lambda self: len(self.tasks) < MAX_TASKS)
+    @rule(
+        spec=specs,
+        key=st.sampled_from(SLOT_KEYS),
+        n=st.integers(2, 3),
+        workers=st.lists(PICK, max_size=3),
+    )
+    def submit_limited(self, spec: dict[str, Any], key: str, n: int, workers: list[int]) -> None:
+        """A few rows of the limited task under one key, due at once, published, and
+        as many delivered as ``workers`` picks (to those workers, in turn: the count
+        stops those past the limit)."""
+        spec = {**spec, "name": LIMITED, "key": key, "dedup_key": None, "countdown": None}
+        ids = [self._new_id() for _ in range(n)]
+        answers = self.store.submit_many([self._row(spec, i) for i in ids])
+        assert answers == [self._expect_submit(spec, i) for i in ids]
+        self.store.mark_published(ids)
+        for task_id in ids:
+            self._published(self.tasks[task_id])
+        for task_id, w in zip(ids, workers, strict=False):
+            if self._live_workers():
+                self._deliver(self._pick(self._live_workers(), w), self.tasks[task_id])
 
     @precondition(lambda self: self.tasks)
     @rule(i=PICK, spec=specs)
@@ -419,9 +677,51 @@ class StoreMachine(RuleBasedStateMachine):
         worker = self._pick(self._live_workers(), w)
         pending = [t for t in self._task_ids() if self.tasks[t].state is State.PENDING]
         task = self.tasks[self._pick(pending if pending and not duplicate else self._task_ids(), i)]
-        answer = self.store.claim(task.id, worker.id, f"worker:{worker.node}")
+        self._deliver(worker, task)
+
+    @precondition(lambda self: self._live_workers() and self._pending_limited())
+    @rule(picks=st.lists(st.tuples(PICK, PICK), min_size=1, max_size=3))
+    def claim_limited(self, picks: list[tuple[int, int]]) -> None:
+        """Deliveries of PENDING rows of the limited task to some workers, one after
+        the other (the count may stop them)."""
+        for w, i in picks:
+            pending = self._pending_limited()
+            if not pending or not self._live_workers():
+                return
+            worker = self._pick(self._live_workers(), w)
+            self._deliver(worker, self.tasks[self._pick(pending, i)])
+
+    @precondition(lambda self: self._live_workers() and self._paced())
+    @rule(w=PICK, i=PICK)
+    def paced_delivery(self, w: int, i: int) -> None:
+        """A paced row's message, published again with its countdown, arrives at its
+        reserved start: time passes to the next whole second (the workers renewing)."""
+        task = self.tasks[self._pick(self._paced(), i)]
+        assert task.eta is not None
+        if task.eta > self.now:
+            self.tick(seconds=math.ceil(task.eta - self.now), beating=7)
+        if self._live_workers():
+            self._deliver(self._pick(self._live_workers(), w), task)
+
+    def _paced(self) -> list[str]:
+        return sorted(
+            t.id for t in self.tasks.values() if t.state is State.PENDING and t.slot == PACED
+        )
+
+    def _pending_limited(self) -> list[str]:
+        return [t.id for t in self.tasks.values() if t.key is not None and t.state is State.PENDING]
+
+    def _deliver(self, worker: MWorker, task: MTask) -> None:
+        slot = self._slot(task)
+        answer = self._claim(task.id, worker, slot)
+        if slot is not None:
+            self.keys.add((slot.name, slot.key))
         if task.state is State.PENDING and self._due(task):
-            assert isinstance(answer, Claim), answer
+            if slot is not None and not self._starts(task, slot, answer):
+                return
+            assert isinstance(answer, Claim), (
+                f"claim of {task.id} answered {answer}, the model says it claims"
+            )
             assert answer.resumed == (task.attempt > 0)
             assert answer.cancel_requested == task.cancel_requested
             assert (answer.retries, answer.recoveries) == (task.retries, task.recoveries)
@@ -430,6 +730,61 @@ class StoreMachine(RuleBasedStateMachine):
         assert isinstance(answer, Refusal), answer
         assert answer.state is task.state
         assert answer.early == (task.state is State.PENDING)
+        assert not answer.waiting and not answer.paced
+
+    def _starts(self, task: MTask, slot: Slot, answer: Claim | Refusal) -> bool:
+        """Whether the claim of a due PENDING row of the limited task starts it: a slot
+        must be free under its key and, with a rate limit, the key's next start must
+        have come, or a start was reserved for the row and is on time (less than an
+        interval past). Otherwise the row is paced (a later start reserved for it, its
+        ETA) or waits for a slot."""
+        pair = (slot.name, slot.key)
+        after = self.next_start.get(pair)
+        on_time = (
+            slot.interval is not None
+            and task.slot == PACED
+            and task.eta is not None
+            and task.eta > self.now - slot.interval
+        )
+        rate_ok = slot.interval is None or on_time or after is None or after <= self.now
+        if rate_ok and self._in_use(slot.name, slot.key, task.id) < slot.limit:
+            if slot.interval is not None:
+                start = task.eta if on_time and task.eta is not None else self.now
+                if on_time:
+                    _note("limits: a paced row started at its reserved start")
+                if not on_time:
+                    base = self.now if after is None else max(after, self.now)
+                    self.next_start[pair] = base + slot.interval
+                self.started.setdefault(pair, []).append(start)
+            return True
+        if slot.interval is not None and not on_time and after is not None and after > self.now:
+            assert isinstance(answer, Refusal) and answer.paced, (
+                f"claim of {task.id} answered {answer}, the model says it is paced to "
+                f"the start at {after} (now {self.now})"
+            )
+            assert not answer.held  # a start this close is published, not held
+            _note("limits: a start paced by the rate limit")
+            task.slot, task.slot_key, task.eta = PACED, slot.key, after
+            task.updated_at = self.now
+            self.next_start[pair] = after + slot.interval
+            return False
+        self._waits(task, slot, answer)
+        return False
+
+    def _claim(self, task_id: str, worker: MWorker, slot: Slot | None) -> Claim | Refusal:
+        return self.store.claim(task_id, worker.id, f"worker:{worker.node}", slot=slot)
+
+    def _waits(self, task: MTask, slot: Slot, answer: Claim | Refusal) -> None:
+        """A due PENDING row whose claim the count stops: it waits for a slot."""
+        assert isinstance(answer, Refusal) and answer.waiting and not answer.paced, (
+            f"claim of {task.id} answered {answer}, the model says it waits: "
+            f"{self._in_use(slot.name, slot.key, task.id)} of {slot.label()}'s "
+            f"{slot.limit} slots in use"
+        )
+        assert answer.state is State.PENDING
+        _note("limits: a claim found no slot, the row waits")
+        task.slot, task.slot_key = WAITING, slot.key
+        task.updated_at = self.now
 
     @precondition(lambda self: self._live_workers())
     @rule(w=PICK, i=PICK, known=st.booleans(), spec=specs)
@@ -444,18 +799,23 @@ class StoreMachine(RuleBasedStateMachine):
                 return
             task_id = self._new_id()
         spec = {**spec, "dedup_key": None, "countdown": None}
+        task = self._new_task(spec, task_id)
+        slot = self._slot(task)
         answer = self.store.claim(
-            task_id, worker.id, f"worker:{worker.node}", adopt=self._row(spec, task_id)
+            task_id, worker.id, f"worker:{worker.node}", adopt=self._row(spec, task_id), slot=slot
         )
+        if slot is not None:
+            self.keys.add((slot.name, slot.key))
         if task_id in self.tombstones:
             assert isinstance(answer, Refusal) and answer.state is None, answer
             return
-        assert isinstance(answer, Claim), answer
-        assert answer.resumed
-        task = self._new_task(spec, task_id)
         task.published_at = self.now
         self.tasks[task_id] = task
         self._audit(task, None, State.PENDING)
+        if slot is not None and not self._starts(task, slot, answer):
+            return
+        assert isinstance(answer, Claim), answer
+        assert answer.resumed
         self._claimed(task, worker, answer.lease)
 
     @precondition(lambda self: self.tasks and self._live_workers())
@@ -464,6 +824,11 @@ class StoreMachine(RuleBasedStateMachine):
         """Deliveries that arrived together, claimed ahead in one statement."""
         worker = self._pick(self._live_workers(), w)
         ids = sorted({self._pick(self._task_ids(), p) for p in picks})
+        # a limited task's deliveries are never claimed ahead (a slot is taken only by
+        # the pool process that runs it)
+        ids = [i for i in ids if self.tasks[i].key is None]
+        if not ids:
+            return
         asks = [(task_id, uuid.uuid4().hex) for task_id in ids]
         claims = self.store.claim_many(asks, worker.id, f"worker:{worker.node}")
         for task_id, token in asks:
@@ -552,6 +917,22 @@ class StoreMachine(RuleBasedStateMachine):
         ok = self._write_outcome(lease, kind, batched, delay)
         self._expect_outcome(index, kind, delay, ok)
 
+    @precondition(lambda self: self._holding_limited())
+    @rule(i=PICK, kind=outcomes, batched=st.booleans(), delay=st.sampled_from(RETRY_DELAYS))
+    def limited_outcome(self, i: int, kind: str, batched: bool, delay: float) -> None:
+        """A run of the limited task ends with its outcome (which frees its slot)."""
+        index = self._pick(self._holding_limited(), i)
+        ok = self._write_outcome(self.execs[index].lease, kind, batched, delay)
+        self._expect_outcome(index, kind, delay, ok)
+
+    def _holding_limited(self) -> list[int]:
+        """The executions of the limited task that hold their lease."""
+        return [
+            n
+            for n, ex in enumerate(self.execs)
+            if self._holds(n) and self.tasks[ex.lease.task_id].key is not None
+        ]
+
     def _write_outcome(self, lease: Lease, kind: str, batched: bool, delay: float) -> bool:
         if kind == "retry":
             if batched:
@@ -631,6 +1012,9 @@ class StoreMachine(RuleBasedStateMachine):
             ):
                 expected.add(task.id)
                 self._audit(task, State.RUNNING, State.WAIT_MANUAL)  # the owner keeps its token
+                if task.slot_key is not None:
+                    task.slot = OVERRUN  # its run goes on: it keeps its slot while its owner lives
+                    _note("limits: an overrun keeps its slot")
         assert set(moved) == expected
 
     @rule()
@@ -727,6 +1111,8 @@ class StoreMachine(RuleBasedStateMachine):
         if task.state is State.RUNNING:
             task.cancel_requested = True  # the task stops at its next step boundary
             return
+        if task.state is State.PENDING and task.slot in (WAITING, GRANTED):
+            _note(f"limits: a {task.slot} row cancelled")  # it stops counting, takes nothing
         self._audit(task, task.state, State.CANCELLED)
         task.finished_at = self.now
         task.token_exec = None
@@ -782,8 +1168,77 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def lease_check_finds_nothing(self) -> None:
-        found = check(self.store, liveness=False)
-        assert found == [], "\n".join(map(str, found))
+        """No safety invariant of ``lease check`` is broken; of its liveness kinds,
+        ``waiting_with_free_slot`` (at no grace) names only rows that wait while their
+        key has a slot free (the others need a reaper the rules run when they choose)."""
+        found = check(self.store, liveness=True, grace=0.0)
+        broken = [v for v in found if v.kind not in LIVENESS_KINDS]
+        assert broken == [], "\n".join(map(str, broken))
+        reported = {v.task_id for v in found if v.kind == "waiting_with_free_slot"}
+        free = {i for name, key in self.keys for i in self._waits_with_free_slot(name, key)}
+        assert reported <= free, f"lease check: {reported} wait with a slot free, model: {free}"
+
+    @invariant()
+    def limits_hold(self) -> None:
+        """No (name, key) has more slots in use than its limit, counted from the rows
+        themselves and by the store (``slot_usage``); every row's ``slot`` and
+        ``slot_key`` are the model's; and every commit that ended a run holding a slot
+        told ``on_slots_freed``."""
+        t = self.store.t.tasks
+        columns = (t.c.id, t.c.name, t.c.slot_key, t.c.state, t.c.slot, t.c.owner, t.c.lease_ttl)
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(select(*columns)).all()
+        beats = {w.id: w.heartbeat_at for w in self.workers if not w.stopped}
+        # running (and overruns whose owner lives), granted, waiting
+        counted: dict[tuple[str, str], list[int]] = {k: [0, 0, 0] for k in self.keys}
+        for r in (r for r in rows if r.slot_key is not None):
+            n = counted.setdefault((str(r.name), str(r.slot_key)), [0, 0, 0])
+            beat = beats.get(r.owner)
+            if r.state == State.RUNNING.value:
+                n[0] += 1
+            elif r.state == State.PENDING.value and r.slot in (GRANTED, WAITING):
+                n[1 if r.slot == GRANTED else 2] += 1
+            elif r.state == State.WAIT_MANUAL.value and r.slot == OVERRUN:
+                n[0] += beat is not None and beat + float(r.lease_ttl) >= self.now
+        for pair, (running, granted, _) in sorted(counted.items()):
+            assert running + granted <= self.limit, (
+                f"{pair[0]}[{pair[1]}]: {running} running and {granted} granted, "
+                f"limit {self.limit}: the limit is exceeded"
+            )
+        slots = {str(r.id): (r.slot, r.slot_key) for r in rows}
+        want = {i: (m.slot, m.slot_key) for i, m in self.tasks.items()}
+        assert slots == want, f"slot and slot_key: database {slots}, model {want}"
+        usage = self.store.slot_usage()
+        assert {u.limit for u in usage} <= {self.limit}
+        store = {(u.name, u.key): [u.running, u.granted, u.waiting] for u in usage}
+        assert store == counted, f"slot_usage {store}, counted from the rows {counted}"
+        assert self.freed == self.expected_freed, (
+            f"on_slots_freed told {sorted(self.freed)}, "
+            f"the model says {sorted(self.expected_freed)}"
+        )
+        if self.interval is not None:
+            self._rate_holds(self.interval)
+
+    def _rate_holds(self, interval: float) -> None:
+        """Each key's next start is the model's, and the starts taken under a key (a
+        claim's reserved start, or its time) are at least an interval apart."""
+        c = self.store.t.concurrency
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(select(c.c.name, c.c.key, c.c.next_start_at)).all()
+        stored = {
+            (str(r.name), str(r.key)): _seconds(r.next_start_at)
+            for r in rows
+            if r.next_start_at is not None
+        }
+        assert stored.keys() == self.next_start.keys(), (stored, self.next_start)
+        for pair, at in stored.items():
+            assert abs(at - self.next_start[pair]) < 0.01, (pair, at, self.next_start[pair])
+        for (name, key), starts in self.started.items():
+            ordered = sorted(starts)
+            gaps = [b - a for a, b in itertools.pairwise(ordered)]
+            assert all(g > interval - 0.01 for g in gaps), (
+                f"{name}[{key}]: starts {ordered} closer than one every {interval} s"
+            )
 
     @invariant()
     def database_equals_model(self) -> None:

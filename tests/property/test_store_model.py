@@ -1,6 +1,7 @@
 """The store against its reference model (see :mod:`tests.property.store_model`), on a
-SQLite file and on PostgreSQL, within a bounded example budget; and a rule with a
-planted bug (an outcome written without its fence) that the machine must catch.
+SQLite file and on PostgreSQL, within a bounded example budget; and planted bugs the
+machine must catch: an outcome written without its fence, and a limited task's claim
+that does not count the slots in use.
 
 ``CELERY_LEASE_MODEL_PROFILE`` names the Hypothesis profile (default ``model-ci``);
 ``scripts/model_check.py`` runs the machine for as long as one asks, with a seed.
@@ -11,25 +12,27 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 
 from celery_lease.states import State
 from celery_lease.store import Lease, NewTask, Store
 from celery_lease.store.schema import db_now
 
 from .model_database import Database
-from .store_model import StoreMachine, machine_for
+from .store_model import LIMITED, StoreMachine, machine_for
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
 
-#: CI's budget: well under a minute per store on two shared cores (docs/reliability.md).
+#: CI's budget: well under a minute per store on two shared cores (docs/reliability.md);
+#: 16 examples since the machine drives limits too (each rule does more).
 settings.register_profile(
     "model-ci",
-    max_examples=20,
+    max_examples=16,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=_QUIET,
@@ -168,3 +171,84 @@ def test_a_batch_keeps_the_first_of_two_rows_with_one_dedup_key(store: Store) ->
     record = store.get("b0")
     assert record is not None and record.eta is not None
     assert store.get("b1") is None and store.get("b2") is None
+
+
+class UncountedClaims(Store):
+    """A store with a planted bug in a copy of the claim statement of a limited task
+    (``Claims._claim_slot_spec``): it records the row's key, as the real one does, but
+    its ``WHERE`` leaves out the count of the slots in use below the limit. Every due
+    delivery is then claimed, whatever the limit."""
+
+    def _claim_slot_spec(self) -> Any:
+        t = self.t.tasks
+        where, values, returning = self._claim_spec()
+        key = bindparam("b_slot_key", type_=t.c.slot_key.type)
+        return where, {**values, "slot_key": key, "slot": None}, returning
+
+
+class UncountedClaimMachine(StoreMachine):
+    store_class = UncountedClaims
+
+
+LIMITED_SPEC = {**SPEC, "name": LIMITED, "key": "k=a"}
+
+
+def _two_deliveries_of_one_key(machine: StoreMachine) -> None:
+    """A limit of 1; two rows of the limited task under one key, the first delivered
+    to the first worker and claimed; then the second delivered to the second worker."""
+    machine.start(limit=1, spec=LIMITED_SPEC, key="k=a", n=2, workers=[0])
+    machine.limits_hold()
+    machine.claim_limited(picks=[(1, 0)])
+
+
+@pytest.mark.violations
+def test_the_model_catches_a_claim_that_does_not_count_the_slots(database: Database) -> None:
+    """The shortest sequence that shows the planted bug: the second delivery of a key
+    whose one slot is taken is claimed. The rule's answer and the invariants both
+    catch it."""
+    machine = machine_for(database, UncountedClaimMachine)()
+    try:
+        with pytest.raises(AssertionError, match=r"answered Claim.*the model says it waits"):
+            _two_deliveries_of_one_key(machine)
+        with pytest.raises(AssertionError, match=r"lim\[k=a\]: 2 running .* limit 1"):
+            machine.limits_hold()
+    finally:
+        machine.teardown()
+
+
+def test_the_same_deliveries_wait_with_the_real_claim(database: Database) -> None:
+    """The control: the real claim leaves the second row waiting, and a grant gives it
+    the slot once the first run's outcome frees it."""
+    machine = machine_for(database)()
+    try:
+        _two_deliveries_of_one_key(machine)
+        (waiting,) = [t for t in machine.tasks.values() if t.slot == "waiting"]
+        machine.limits_hold()
+        machine.lease_check_finds_nothing()
+        machine.limited_outcome(i=0, kind="success", batched=False, delay=0.0)
+        machine.limits_hold()
+        machine.grant_freed(lost=False, published=True)
+        assert waiting.slot == "granted"
+        machine.database_equals_model()
+        machine.limits_hold()
+        machine.lease_check_finds_nothing()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.violations
+def test_the_machine_finds_the_uncounted_claim_by_itself(database: Database) -> None:
+    """Not a chosen sequence: the machine's own search (derandomized, without
+    shrinking, to stay fast) runs into the planted bug within a few examples."""
+    found = settings(
+        max_examples=50,
+        stateful_step_count=10,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        report_multiple_bugs=False,
+        suppress_health_check=_QUIET,
+    )
+    with pytest.raises(AssertionError, match=r"the model says it waits|the limit is exceeded"):
+        run_state_machine_as_test(machine_for(database, UncountedClaimMachine), settings=found)
