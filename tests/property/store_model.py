@@ -10,13 +10,11 @@ failure, cancel, retry; one by one and in batches), a lease given up, time passi
 the reaper's sweeps (expiry and its recovery decision: retry, WAIT_MANUAL, poison, too
 old, cancel; overruns; due retries; re-publishing), operator moves (retry, fail,
 resolve, cancel), cancel requests, pauses, retention and tombstones; and the
-concurrency limits of a limited task (``concurrency_limit`` per ``concurrency_key``,
-and in some examples a ``global_rate_limit``): claims with a
-:class:`~celery_lease.store.Slot` (a claim the count stops leaves the row waiting; one
-the rate stops is paced to a later start), the slots freed by outcomes, retries,
-expiries, overruns and runs ended, the grants of the worker whose commit freed them
-(``Slots.grant``) and the reaper's backstop (``take_waiting``), cancelled and paused
-waiting rows.
+concurrency limits of a limited task (``concurrency_limit`` per ``concurrency_key``):
+claims with a :class:`~celery_lease.store.Slot` (a claim the count stops leaves the row
+waiting), the slots freed by outcomes, retries, expiries, overruns and runs ended, the
+grants of the worker whose commit freed them (``Slots.grant``) and the reaper's
+backstop (``take_waiting``), cancelled and paused waiting rows.
 
 A plain-Python reference model (:class:`Model`: the rules of ``celery_lease/states.py``,
 ``celery_lease/policy.py`` and DESIGN.md, written again without SQL) predicts every
@@ -37,8 +35,7 @@ answer. After every rule the database must equal the model and these must hold:
   grant, and after the backstop, no row waits while its key has a slot free (unless
   its task is paused); ``lease check``'s ``waiting_with_free_slot`` reports only rows
   the model says wait with a slot free; every commit that ended a run holding a slot
-  told ``on_slots_freed`` its (name, key); with a rate limit, each key's next start is
-  the model's and the starts taken under a key are at least an interval apart.
+  told ``on_slots_freed`` its (name, key).
 
 **The clock.** Every decision compares database time, and the test sets the database's
 clock in SQL the database evaluates (see :mod:`tests.property.model_database`): time
@@ -53,9 +50,7 @@ ten microseconds).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
-import math
 import uuid
 from datetime import datetime, timezone
 from typing import Any
@@ -95,12 +90,6 @@ LIMITED = "lim"
 SLOT_KEYS = ("k=a", "k=b")
 #: The limit an example's limited task gives (drawn once per example).
 LIMITS = (1, 2)
-#: Seconds between two starts per key its ``global_rate_limit`` gives (``None``: none).
-#: Starts add up intervals from a whole second: 2.5 s would put every second start on a
-#: whole second, where the clock stops (a boundary). The 1/1024 s more keeps all of the
-#: first 511 starts off whole seconds by about a millisecond at least (exact in binary,
-#: and a hundred times what SQLite's REAL timestamps blur).
-RATE_INTERVALS = (None, 2.5 + 2**-10)
 DEDUP_KEYS = ("k0", "k1", "k2")
 STEPS = ("load", "charge", "send")
 NODES = ("n1", "n2", "n3")
@@ -115,13 +104,6 @@ def _note(what: str) -> None:
     nothing when a test calls the rules itself, outside a Hypothesis run."""
     if currently_in_test_context():
         event(what)
-
-
-def _seconds(at: datetime) -> float:
-    """A database time as seconds since EPOCH (the model's time)."""
-    if at.tzinfo is None:
-        at = at.replace(tzinfo=timezone.utc)
-    return (at - EPOCH).total_seconds()
 
 
 # -- the reference model ----------------------------------------------------------------
@@ -143,7 +125,7 @@ LIVENESS_KINDS = frozenset(
     }
 )
 #: ``tasks.slot`` values (celery_lease/store/_slots.py), written again.
-WAITING, GRANTED, OVERRUN, PACED = "waiting", "granted", "overrun", "paced"
+WAITING, GRANTED, OVERRUN = "waiting", "granted", "overrun"
 
 
 @dataclasses.dataclass
@@ -255,12 +237,6 @@ class StoreMachine(RuleBasedStateMachine):
         self.ids_made = 0
         #: The limited task's limit (drawn by :meth:`choose_limit`).
         self.limit = LIMITS[0]
-        #: Its ``global_rate_limit`` as seconds between two starts per key (or none).
-        self.interval: float | None = None
-        #: Each key's next start (``concurrency.next_start_at``), and the starts taken:
-        #: a claim's reserved start, or the claim's time.
-        self.next_start: dict[tuple[str, str], float] = {}
-        self.started: dict[tuple[str, str], list[float]] = {}
         #: (name, key) pairs a limited claim locked (the store has a row for each).
         self.keys: set[tuple[str, str]] = set()
         #: The pairs the store told ``on_slots_freed`` since the last grant rule, and
@@ -423,7 +399,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _slot(self, task: MTask) -> Slot | None:
         """The slot a delivery of ``task`` claims with (``None``: not limited)."""
-        return None if task.key is None else Slot(LIMITED, task.key, self.limit, self.interval)
+        return None if task.key is None else Slot(LIMITED, task.key, self.limit)
 
     def _in_use(self, name: str, key: str, exclude: str | None = None) -> int:
         """The slots in use under (name, key), as the design counts them: RUNNING rows of
@@ -591,26 +567,16 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize(
         limit=st.sampled_from(LIMITS),
-        interval=st.sampled_from(RATE_INTERVALS),
         spec=specs,
         key=st.sampled_from(SLOT_KEYS),
         n=st.integers(2, 3),
-        workers=st.lists(PICK, min_size=2, max_size=3),
+        workers=st.lists(PICK, max_size=3),
     )
-    def start(
-        self,
-        limit: int,
-        spec: dict[str, Any],
-        key: str,
-        n: int,
-        workers: list[int],
-        interval: float | None = None,
-    ) -> None:
-        """The limited task's ``concurrency_limit`` in this example, its
-        ``global_rate_limit`` (or none), and a first burst of its rows, two or three of
-        them delivered (see :meth:`submit_limited`): every example starts with work to
-        do, and a limit to respect."""
-        self.limit, self.interval = limit, interval
+    def start(self, limit: int, spec: dict[str, Any], key: str, n: int, workers: list[int]) -> None:
+        """The limited task's ``concurrency_limit`` in this example, and a first burst
+        of its rows (see :meth:`submit_limited`): every example starts with work to do,
+        and a limit to respect."""
+        self.limit = limit
         self.submit_limited(spec, key, n, workers)
 
     @precondition(lambda self: len(self.tasks) < MAX_TASKS)
@@ -691,23 +657,6 @@ class StoreMachine(RuleBasedStateMachine):
             worker = self._pick(self._live_workers(), w)
             self._deliver(worker, self.tasks[self._pick(pending, i)])
 
-    @precondition(lambda self: self._live_workers() and self._paced())
-    @rule(w=PICK, i=PICK)
-    def paced_delivery(self, w: int, i: int) -> None:
-        """A paced row's message, published again with its countdown, arrives at its
-        reserved start: time passes to the next whole second (the workers renewing)."""
-        task = self.tasks[self._pick(self._paced(), i)]
-        assert task.eta is not None
-        if task.eta > self.now:
-            self.tick(seconds=math.ceil(task.eta - self.now), beating=7)
-        if self._live_workers():
-            self._deliver(self._pick(self._live_workers(), w), task)
-
-    def _paced(self) -> list[str]:
-        return sorted(
-            t.id for t in self.tasks.values() if t.state is State.PENDING and t.slot == PACED
-        )
-
     def _pending_limited(self) -> list[str]:
         return [t.id for t in self.tasks.values() if t.key is not None and t.state is State.PENDING]
 
@@ -717,7 +666,8 @@ class StoreMachine(RuleBasedStateMachine):
         if slot is not None:
             self.keys.add((slot.name, slot.key))
         if task.state is State.PENDING and self._due(task):
-            if slot is not None and not self._starts(task, slot, answer):
+            if slot is not None and self._in_use(slot.name, slot.key, task.id) >= slot.limit:
+                self._waits(task, slot, answer)
                 return
             assert isinstance(answer, Claim), (
                 f"claim of {task.id} answered {answer}, the model says it claims"
@@ -730,53 +680,14 @@ class StoreMachine(RuleBasedStateMachine):
         assert isinstance(answer, Refusal), answer
         assert answer.state is task.state
         assert answer.early == (task.state is State.PENDING)
-        assert not answer.waiting and not answer.paced
-
-    def _starts(self, task: MTask, slot: Slot, answer: Claim | Refusal) -> bool:
-        """Whether the claim of a due PENDING row of the limited task starts it: a slot
-        must be free under its key and, with a rate limit, the key's next start must
-        have come, or a start was reserved for the row and is on time (less than an
-        interval past). Otherwise the row is paced (a later start reserved for it, its
-        ETA) or waits for a slot."""
-        pair = (slot.name, slot.key)
-        after = self.next_start.get(pair)
-        on_time = (
-            slot.interval is not None
-            and task.slot == PACED
-            and task.eta is not None
-            and task.eta > self.now - slot.interval
-        )
-        rate_ok = slot.interval is None or on_time or after is None or after <= self.now
-        if rate_ok and self._in_use(slot.name, slot.key, task.id) < slot.limit:
-            if slot.interval is not None:
-                start = task.eta if on_time and task.eta is not None else self.now
-                if on_time:
-                    _note("limits: a paced row started at its reserved start")
-                if not on_time:
-                    base = self.now if after is None else max(after, self.now)
-                    self.next_start[pair] = base + slot.interval
-                self.started.setdefault(pair, []).append(start)
-            return True
-        if slot.interval is not None and not on_time and after is not None and after > self.now:
-            assert isinstance(answer, Refusal) and answer.paced, (
-                f"claim of {task.id} answered {answer}, the model says it is paced to "
-                f"the start at {after} (now {self.now})"
-            )
-            assert not answer.held  # a start this close is published, not held
-            _note("limits: a start paced by the rate limit")
-            task.slot, task.slot_key, task.eta = PACED, slot.key, after
-            task.updated_at = self.now
-            self.next_start[pair] = after + slot.interval
-            return False
-        self._waits(task, slot, answer)
-        return False
+        assert not answer.waiting
 
     def _claim(self, task_id: str, worker: MWorker, slot: Slot | None) -> Claim | Refusal:
         return self.store.claim(task_id, worker.id, f"worker:{worker.node}", slot=slot)
 
     def _waits(self, task: MTask, slot: Slot, answer: Claim | Refusal) -> None:
         """A due PENDING row whose claim the count stops: it waits for a slot."""
-        assert isinstance(answer, Refusal) and answer.waiting and not answer.paced, (
+        assert isinstance(answer, Refusal) and answer.waiting, (
             f"claim of {task.id} answered {answer}, the model says it waits: "
             f"{self._in_use(slot.name, slot.key, task.id)} of {slot.label()}'s "
             f"{slot.limit} slots in use"
@@ -812,7 +723,8 @@ class StoreMachine(RuleBasedStateMachine):
         task.published_at = self.now
         self.tasks[task_id] = task
         self._audit(task, None, State.PENDING)
-        if slot is not None and not self._starts(task, slot, answer):
+        if slot is not None and self._in_use(slot.name, slot.key) >= slot.limit:
+            self._waits(task, slot, answer)
             return
         assert isinstance(answer, Claim), answer
         assert answer.resumed
@@ -1216,29 +1128,6 @@ class StoreMachine(RuleBasedStateMachine):
             f"on_slots_freed told {sorted(self.freed)}, "
             f"the model says {sorted(self.expected_freed)}"
         )
-        if self.interval is not None:
-            self._rate_holds(self.interval)
-
-    def _rate_holds(self, interval: float) -> None:
-        """Each key's next start is the model's, and the starts taken under a key (a
-        claim's reserved start, or its time) are at least an interval apart."""
-        c = self.store.t.concurrency
-        with self.store.engine.connect() as conn:
-            rows = conn.execute(select(c.c.name, c.c.key, c.c.next_start_at)).all()
-        stored = {
-            (str(r.name), str(r.key)): _seconds(r.next_start_at)
-            for r in rows
-            if r.next_start_at is not None
-        }
-        assert stored.keys() == self.next_start.keys(), (stored, self.next_start)
-        for pair, at in stored.items():
-            assert abs(at - self.next_start[pair]) < 0.01, (pair, at, self.next_start[pair])
-        for (name, key), starts in self.started.items():
-            ordered = sorted(starts)
-            gaps = [b - a for a, b in itertools.pairwise(ordered)]
-            assert all(g > interval - 0.01 for g in gaps), (
-                f"{name}[{key}]: starts {ordered} closer than one every {interval} s"
-            )
 
     @invariant()
     def database_equals_model(self) -> None:

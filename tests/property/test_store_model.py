@@ -241,8 +241,8 @@ def test_the_machine_finds_the_uncounted_claim_by_itself(database: Database) -> 
     """Not a chosen sequence: the machine's own search (derandomized, without
     shrinking, to stay fast) runs into the planted bug within a few examples."""
     found = settings(
-        max_examples=50,
-        stateful_step_count=10,
+        max_examples=20,
+        stateful_step_count=30,
         deadline=None,
         database=None,
         derandomize=True,
