@@ -101,6 +101,8 @@ TIMINGS: dict[str, Any] = {
     "reaper_interval": 0.25,
     "publish_grace": 0.5,
     "republish_after": 2.0,
+    # a countdown longer than this is held in the store until due (the "held" kind)
+    "hold_eta_after": 1.0,
 }
 
 #: kind -> relative weight in the schedule (after each kind of the run's broker once)
@@ -255,6 +257,9 @@ KINDS: dict[str, tuple[str, int]] = {
     "chord": ("soak.idem", 5),
     # one at a time per group (two groups): deliveries wait for the slot
     "limited": ("soak.limited", 12),
+    # as "idem", submitted with a countdown longer than ``hold_eta_after``: held in the
+    # store, not the broker, until due, then published by a reaper
+    "held": ("soak.idem", 8),
 }
 #: Kinds whose heads have follow-ups (see :meth:`Soak.submit_linked`).
 LINKED = ("chain", "link", "chord")
@@ -297,6 +302,8 @@ class Planned:
     args: tuple[Any, ...]
     #: cancel it this many seconds after submitting it
     cancel_after: float | None = None
+    #: submitted with this countdown (seconds)
+    countdown: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,8 +343,8 @@ def make_plan(opts: Options) -> Plan:
         key = f"{kind}{i}"
         at = rng.uniform(0.0, window)
         args: tuple[Any, ...]
-        cancel_after = None
-        if kind in ("idem", "link", "chord"):
+        cancel_after = countdown = None
+        if kind in ("idem", "link", "chord", "held"):
             args = (key, rng.randint(2, 4), round(rng.uniform(0.05, 0.4), 2))
         elif kind == "limited":
             args = (key, rng.randint(2, 4), round(rng.uniform(0.1, 0.5), 2), f"g{i % 2}")
@@ -353,7 +360,9 @@ def make_plan(opts: Options) -> Plan:
                 cancel_after = round(rng.uniform(0.2, 4.0), 2)
         else:
             args = (key,)
-        workload.append(Planned(round(at, 2), kind, key, args, cancel_after))
+        if kind == "held":
+            countdown = round(rng.uniform(1.5, 6.0), 2)
+        workload.append(Planned(round(at, 2), kind, key, args, cancel_after, countdown))
     workload.sort(key=lambda p: p.at)
     rounds = max(1, dedup_keys // 3)
     dedup = []
@@ -617,7 +626,11 @@ class Soak:
         task = self.p.module.app.tasks[name]
         task_id = str(uuid.uuid4())
         got = _submit(
-            lambda: str(task.apply_async(planned.args, task_id=task_id, dedup_key=task_id).id)
+            lambda: str(
+                task.apply_async(
+                    planned.args, task_id=task_id, dedup_key=task_id, countdown=planned.countdown
+                ).id
+            )
         )
         self.report.kinds[got] = planned.kind
         self.report.args[got] = planned.args

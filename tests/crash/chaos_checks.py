@@ -11,9 +11,10 @@ holds what happened and prints the summary table.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,7 @@ ALLOWED: dict[str, frozenset[State]] = {
     "link": frozenset({State.SUCCEEDED}),
     "chord": frozenset({State.SUCCEEDED}),
     "limited": frozenset({State.SUCCEEDED}),
+    "held": frozenset({State.SUCCEEDED}),
 }
 
 #: kind -> what a FAILED row's reason or error says when the task failed by its own logic
@@ -98,6 +100,7 @@ _DONE_STEPS: dict[str, Callable[[tuple[Any, ...]], list[str]]] = {
     "link": lambda args: [f"s{i}" for i in range(int(args[1]))],
     "chord": lambda args: [f"s{i}" for i in range(int(args[1]))],
     "limited": lambda args: [f"s{i}" for i in range(int(args[1]))],
+    "held": lambda args: [f"s{i}" for i in range(int(args[1]))],
 }
 
 # -- what happened ------------------------------------------------------------------------
@@ -153,6 +156,10 @@ class Report:
     #: limited tasks (``soak.limited``), and the most RUNNING at once in one group
     limited: int = 0
     limited_peak: int = 0
+    #: tasks held in the store until their ETA (the "held" kind), and those that were
+    #: published or started before it
+    held: int = 0
+    held_early: int = 0
     #: fault kind -> seconds from the fault to each affected task's next attempt
     recovery: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     #: fault kind -> affected tasks that needed no new attempt
@@ -214,6 +221,8 @@ class Report:
             f"| limited tasks (one at a time per group) | {self.limited} |",
             f"| most RUNNING at once in one group (must be at most {LIMIT}) | "
             f"{self.limited_peak} |",
+            f"| held tasks (countdown past lease_hold_eta_after) | {self.held} |",
+            f"| held tasks started before their ETA, or published early (must be 0) | {self.held_early} |",
             f"| idempotent calls answered from their key | {self.idempotent_replays} |",
             f"| chaos wall time | {self.chaos_wall:.1f} s |",
             f"| end of schedule -> every task settled | {self.settle_wall:.1f} s |",
@@ -305,6 +314,7 @@ def verify(project: LeasedProject, report: Report) -> None:
     _verify_effects(project, report, records)
     _verify_followups(project, report, records)
     _verify_limits(project, report)
+    _verify_held(project, report, records)
     try:
         check_audit(store, list(records))
     except AssertionError as error:
@@ -346,6 +356,37 @@ def _verify_limits(project: LeasedProject, report: Report) -> None:
                 f"concurrency limit of soak.limited[group={group}] exceeded: {most} RUNNING "
                 f"at once, the limit is {LIMIT}"
             )
+
+
+def _verify_held(project: LeasedProject, report: Report, records: dict[str, TaskRecord]) -> None:
+    """A held task is not started before its ETA, nor published more than one reaper
+    interval before it (database time): the store kept it until due, whatever was
+    killed meanwhile."""
+    for task_id, kind in report.kinds.items():
+        rec = records.get(task_id)
+        if kind != "held" or rec is None:
+            continue
+        report.held += 1
+        # the ETA Celery put in the message (the row's own is cleared by a retry)
+        header = json.loads(rec.message or "{}").get("headers", {}).get("eta")
+        if header is None:
+            report.violations.append(f"held task {task_id} has no ETA in its stored message")
+            continue
+        eta = datetime.fromisoformat(header)
+        early = []
+        starts = [r.at for r in project.store.history(task_id) if r.to_state is State.RUNNING]
+        if starts and min(starts) < eta:
+            early.append(f"started at {min(starts).isoformat()}")
+        # a reaper publishes a held row up to one reaper interval before its ETA (the
+        # worker waits out the rest); a row published again after a fault shows only
+        # its last publication, so only a row started once shows its first
+        ahead = timedelta(seconds=project.store.config.reaper_interval)
+        published = rec.published_at
+        if len(starts) <= 1 and published is not None and published < eta - ahead:
+            early.append(f"published at {published.isoformat()}")
+        if early:
+            report.held_early += 1
+            report.violations.append(f"held task {task_id} due at {header}: " + ", ".join(early))
 
 
 def _verify_effects(project: LeasedProject, report: Report, records: dict[str, TaskRecord]) -> None:
@@ -515,7 +556,6 @@ def keep_evidence(project: LeasedProject, report: Report, redis_url: str, direct
     rows of the tasks involved (with their stored messages and ``follow_ups_at``), their
     audit trails and steps, and the result backend's keys of them and of their chords
     (``celery-task-meta-<id>``, the group's ``.j``/``.t``/``.s``/``.d``/``.c`` keys)."""
-    import json
 
     import redis
 
