@@ -2,8 +2,9 @@
 ``scripts/soak.py`` (long, with a summary table).
 
 N real ``celery worker`` processes (prefork and threads pools mixed) on a PostgreSQL
-store and a Redis broker (or RabbitMQ on a vhost of the run's own, with a Redis result
-backend: ``Options.broker``) run a mixed workload (:data:`SOURCE`: idempotent steps, a
+store (or one SQLite file: ``Options.store``) and a Redis broker (or RabbitMQ on a
+vhost of the run's own, with a Redis result backend: ``Options.broker``) run a mixed
+workload (:data:`SOURCE`: idempotent steps, a
 non-idempotent step, retries, tasks failing by their own logic, long tasks with a
 progress cursor, cancellations, dedup submissions raced by several producer processes,
 and heads with follow-ups: a retrying head followed by a chain of two steps, ``link=``
@@ -29,7 +30,10 @@ schedule drawn from one seed injects faults:
   of the run's vhost (``rabbitmqctl close_all_connections``): workers, the driver and
   the producers reconnect, the workers' unacknowledged deliveries go back to the queue.
   The shared RabbitMQ node itself is never restarted;
-- ``pg_terminate``: every connection to the store's database is killed.
+- ``pg_terminate`` (PostgreSQL store): every connection to the store's database is
+  killed. A SQLite store (``Options.store``: one file shared by every process on the
+  host, the embedded default) has no server whose connections a fault could kill: its
+  runs draw every other fault.
 
 When the schedule ends, frozen workers are resumed, dead ones restarted, and the
 system is left alone. :meth:`Soak.run` then waits (bounded) until every task is
@@ -277,6 +281,9 @@ class Options:
     #: "redis", or "amqp": RabbitMQ on a vhost of the run's own (the project's broker
     #: URL), the result backend still Redis
     broker: str = "redis"
+    #: "postgresql", or "sqlite": one SQLite file shared by every process (no
+    #: ``pg_terminate`` then); the project's store must be the same
+    store: str = "postgresql"
     chaos_seconds: float = 25.0
     tasks: int = 60
     workers: int = 3
@@ -286,7 +293,7 @@ class Options:
     #: really restart Redis (only when this run may restart shared services; a Redis
     #: broker's fault)
     restart_redis: bool = False
-    #: the store's database URL, for ``pg_terminate``
+    #: the store's database URL, for ``pg_terminate`` (PostgreSQL)
     database_url: str = ""
     #: where the evidence of a violation is written ("": a new temporary directory)
     evidence_dir: str = ""
@@ -328,7 +335,7 @@ class Plan:
 
 def make_plan(opts: Options) -> Plan:
     """Draw the workload and the fault schedule from the seed (pure: no I/O)."""
-    kinds_of_faults = fault_kinds(opts.broker)
+    kinds_of_faults = fault_kinds(opts.broker, opts.store)
     weights_of_faults = [_FAULT_WEIGHTS[k] for k in kinds_of_faults]
     rng = random.Random(opts.seed)
     window = opts.chaos_seconds * 0.8
@@ -454,9 +461,9 @@ _POOLS = (("prefork", 2), ("threads", 3), ("prefork", 2), ("threads", 2))
 
 class Soak:
     """One soak on ``project`` (a :class:`LeasedProject` built with :data:`SOURCE` and
-    :data:`TIMINGS`, PostgreSQL store). ``redis_url`` is its Redis database: the broker
-    (``opts.broker == "redis"``), else the result backend, RabbitMQ being the broker (the
-    project's broker URL, on a vhost of the run's own)."""
+    :data:`TIMINGS`, on the store ``opts.store`` names). ``redis_url`` is its Redis
+    database: the broker (``opts.broker == "redis"``), else the result backend, RabbitMQ
+    being the broker (the project's broker URL, on a vhost of the run's own)."""
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 #: Environment variable holding the soak's seed (the test's and the script's default).
 SEED_ENV = "CELERY_LEASE_SOAK_SEED"
 
-#: Every kind of fault; a run draws those of its broker (:func:`fault_kinds`).
+#: Every kind of fault; a run draws those of its broker and store (:func:`fault_kinds`).
 FAULT_KINDS = (
     "kill_child",
     "kill_worker",
@@ -52,12 +52,23 @@ BROKER_FAULTS: dict[str, tuple[str, ...]] = {
 _MESSAGE_LOSSES = frozenset({"redis", "rabbitmq_purge"})
 
 
-def fault_kinds(broker: str) -> tuple[str, ...]:
-    """The fault kinds of a run on ``broker`` ("redis" or "amqp"), in drawing order (a
-    Redis run's are the five kinds its seeds were drawn with, in their order)."""
+#: The store's own faults: every connection to PostgreSQL's database killed. A SQLite
+#: store has no connections to kill (each process opens the file itself): none.
+STORE_FAULTS: dict[str, tuple[str, ...]] = {
+    "postgresql": ("pg_terminate",),
+    "sqlite": (),
+}
+
+
+def fault_kinds(broker: str, store: str = "postgresql") -> tuple[str, ...]:
+    """The fault kinds of a run on ``broker`` ("redis" or "amqp") and ``store``
+    ("postgresql" or "sqlite"), in drawing order (a Redis and PostgreSQL run's are the
+    five kinds its seeds were drawn with, in their order)."""
     if broker not in BROKER_FAULTS:
         raise ValueError(f"unknown broker {broker!r}: one of {sorted(BROKER_FAULTS)}")
-    return ("kill_child", "kill_worker", "freeze", *BROKER_FAULTS[broker], "pg_terminate")
+    if store not in STORE_FAULTS:
+        raise ValueError(f"unknown store {store!r}: one of {sorted(STORE_FAULTS)}")
+    return ("kill_child", "kill_worker", "freeze", *BROKER_FAULTS[broker], *STORE_FAULTS[store])
 
 
 #: States a task may rest in once the system is left alone.
@@ -192,10 +203,11 @@ class Report:
             broker = "RabbitMQ broker on a vhost of its own (purged, connections closed)"
         else:
             broker = f"Redis {'restarted' if o.restart_redis else 'queues dropped'}"
-        kinds = fault_kinds(o.broker)
+        kinds = fault_kinds(o.broker, o.store)
+        store = "SQLite" if o.store == "sqlite" else "PostgreSQL"
         lines = [
             f"chaos soak: seed {o.seed}, {o.workers} workers, {o.chaos_seconds:g} s of chaos, "
-            f"{broker}",
+            f"{store} store, {broker}",
             "",
             "| measure | value |",
             "|---|---|",

@@ -247,6 +247,16 @@ def redis_start() -> None:
     wait_until(redis_up, timeout=30, interval=0.1, message="Redis did not come back")
 
 
+def restarts_redis_of(redis_url: str) -> bool:
+    """Whether :func:`redis_restart_losing_data` restarts the Redis ``redis_url`` names
+    (the shared one on 127.0.0.1:6379): a session on a Redis of its own (another port)
+    must never restart the shared server, whose restart would not even touch its data."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(redis_url)
+    return parts.hostname in ("127.0.0.1", "localhost") and (parts.port or 6379) == 6379
+
+
 def redis_restart_losing_data() -> None:
     """``SHUTDOWN NOSAVE`` then start again: every key (every queue) is gone."""
     try:

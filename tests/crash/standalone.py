@@ -1,7 +1,8 @@
 """The crash-suite harness outside pytest, for ``scripts/soak.py`` and
 ``scripts/compare_celery.py``: what the fixtures of ``tests/conftest.py`` give a test
-(a PostgreSQL database of its own, a Redis database flushed before and after, the
-counting stub, generated projects and their worker processes), as a context manager.
+(a PostgreSQL database of its own, or with ``store="sqlite"`` SQLite files of its own,
+a Redis database flushed before and after, the counting stub, generated projects and
+their worker processes), as a context manager.
 
 Services (as for the test suite): ``CELERY_LEASE_TEST_PG_ADMIN_URL`` (default
 ``postgresql://postgres@127.0.0.1:5432/test``) and ``CELERY_LEASE_TEST_REDIS_URL``
@@ -23,7 +24,7 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
-from celery_lease.config import LeaseConfig
+from celery_lease.config import LeaseConfig, sqlite_file
 from celery_lease.store import Store
 
 from ..helpers import EXTERNAL_ENV, ExternalSystem, ProcessRegistry, WorkerProject, lease_settings
@@ -61,14 +62,19 @@ def _flush_redis(url: str) -> None:
 class Standalone:
     """A scratch environment: ``with Standalone() as env: p = env.project(SOURCE, ...)``.
 
-    The projects' broker is the Redis database, or with ``broker="amqp"`` RabbitMQ
+    The projects' store is a PostgreSQL database of the environment's own, made on entry
+    (each project in a schema of its own), or with ``store="sqlite"`` a SQLite file per
+    project in the environment's directory, shared by every process of that project
+    (the embedded default: one file on the host, the default table prefix). The
+    projects' broker is the Redis database, or with ``broker="amqp"`` RabbitMQ
     (``amqp_url``'s server and user) on a virtual host of the environment's own, made on
     entry (:attr:`broker_url`).
 
-    Everything started is killed on exit, the database is dropped, the Redis database
-    flushed, the virtual host deleted; when ``keep`` is set (a violation) or the block
-    raised, the database, the Redis database, the virtual host and the directory with
-    the workers' logs are kept instead, and where they are is printed.
+    Everything started is killed on exit, the database is dropped (SQLite: the files
+    deleted with the directory), the Redis database flushed, the virtual host deleted;
+    when ``keep`` is set (a violation) or the block raised, the database (or SQLite
+    files), the Redis database, the virtual host and the directory with the workers' logs
+    are kept instead, and where they are is printed.
     """
 
     def __init__(
@@ -79,9 +85,12 @@ class Standalone:
         keep: bool = False,
         broker: str = "redis",
         amqp_url: str = AMQP_URL,
+        store: str = "postgresql",
     ) -> None:
         if broker not in ("redis", "amqp"):
             raise ValueError(f"broker {broker!r}: 'redis' or 'amqp'")
+        if store not in ("postgresql", "sqlite"):
+            raise ValueError(f"store {store!r}: 'postgresql' or 'sqlite'")
         self.redis_url = redis_url
         self.pg_admin_url = pg_admin_url
         self.keep = keep
@@ -91,11 +100,15 @@ class Standalone:
             if broker == "amqp"
             else redis_url
         )
+        self.store = store
         self.database = f"celery_lease_script_{os.getpid()}"
-        self.database_url = (
-            make_url(pg_admin_url).set(database=self.database).render_as_string(False)
-        )
         self.dir = Path(tempfile.mkdtemp(prefix="celery-lease-script-"))
+        #: the PostgreSQL database of the projects' stores ("" on SQLite: a file each)
+        self.database_url = (
+            ""
+            if store == "sqlite"
+            else make_url(pg_admin_url).set(database=self.database).render_as_string(False)
+        )
         self.registry = ProcessRegistry()
         self.stores: list[Store] = []
         self.finalizers: list[Any] = []
@@ -104,9 +117,10 @@ class Standalone:
     def __enter__(self) -> Standalone:
         from psycopg import sql
 
-        name = sql.Identifier(self.database)
-        _pg(self.pg_admin_url, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
-        _pg(self.pg_admin_url, sql.SQL("CREATE DATABASE {}").format(name))
+        if self.store == "postgresql":
+            name = sql.Identifier(self.database)
+            _pg(self.pg_admin_url, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
+            _pg(self.pg_admin_url, sql.SQL("CREATE DATABASE {}").format(name))
         _flush_redis(self.redis_url)
         if self.broker_url != self.redis_url:
             rabbitmq_add_vhost(self.broker_url)
@@ -130,11 +144,18 @@ class Standalone:
         if self.keep or kind is not None:
             # the evidence stays: the rows, audit trails, steps and stored messages in
             # the database, the queues and the result backend's keys (chords) in Redis
-            url = make_url(self.database_url).render_as_string(hide_password=True)
+            if self.store == "sqlite":
+                files = ", ".join(str(sqlite_file(s.config.database_url)) for s in self.stores)
+                database = f"SQLite store kept: {files}"
+            else:
+                url = make_url(self.database_url).render_as_string(hide_password=True)
+                schemas = ", ".join(sorted({s.config.schema or "public" for s in self.stores}))
+                database = (
+                    f"database kept: {url} (schemas {schemas}; drop it with DROP DATABASE "
+                    f"{self.database})"
+                )
             print(
-                f"worker logs kept in {self.dir}\ndatabase kept: {url} (schemas "
-                f"{', '.join(sorted({s.config.schema or 'public' for s in self.stores}))}; "
-                f"drop it with DROP DATABASE {self.database})\nRedis database kept: "
+                f"worker logs kept in {self.dir}\n{database}\nRedis database kept: "
                 f"{self.redis_url} (flushed by the next run)",
                 flush=True,
             )
@@ -151,20 +172,27 @@ class Standalone:
         if self.broker_url != self.redis_url:
             with contextlib.suppress(Exception):
                 rabbitmq_delete_vhost(self.broker_url)
-        name = sql.Identifier(self.database)
-        with contextlib.suppress(Exception):
-            _pg(self.pg_admin_url, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
+        if self.store == "postgresql":
+            name = sql.Identifier(self.database)
+            with contextlib.suppress(Exception):
+                _pg(
+                    self.pg_admin_url,
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name),
+                )
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def flush_redis(self) -> None:
         _flush_redis(self.redis_url)
 
     def lease_config(self, **overrides: Any) -> LeaseConfig:
-        """A config on this environment's database, in a schema of its own."""
-        values: dict[str, Any] = {
-            "database_url": self.database_url,
-            "schema": f"s_{uuid.uuid4().hex[:10]}",
-        }
+        """A config on this environment's database, in a schema of its own (SQLite: a
+        file of its own in the environment's directory)."""
+        name = uuid.uuid4().hex[:10]
+        values: dict[str, Any] = (
+            {"database_url": f"sqlite:///{self.dir / f'lease-{name}.sqlite3'}"}
+            if self.store == "sqlite"
+            else {"database_url": self.database_url, "schema": f"s_{name}"}
+        )
         values.update(overrides)
         return LeaseConfig(**values)
 

@@ -7,7 +7,9 @@ killed) over a mixed workload on three workers (prefork and threads), PostgreSQL
 Redis broker; then the system is left alone and every invariant is checked. The seed
 is ``CELERY_LEASE_SOAK_SEED`` (default :data:`~tests.crash.chaos.DEFAULT_SEED`); a
 failure message names it. Redis is really restarted only when this session may restart
-shared services (``CELERY_LEASE_TEST_EXCLUSIVE=1``, or no other test session running).
+shared services (``CELERY_LEASE_TEST_EXCLUSIVE=1``, or no other test session running)
+and its Redis is the shared one (127.0.0.1:6379). The SQLite store's soak is
+``scripts/soak.py --store sqlite``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import pytest
 from celery import chord
 
 from ..helpers import wait_until
-from .chaos import SOURCE, TIMINGS, Options, Soak, seed_from_env
-from .chaos_checks import FollowUp, Report, keep_evidence
+from .chaos import SOURCE, TIMINGS, Options, Soak, make_plan, seed_from_env
+from .chaos_checks import FollowUp, Report, fault_kinds, keep_evidence
 from .faults import (
     EXCLUSIVE_ENV,
     foreign_sessions,
@@ -31,6 +33,7 @@ from .faults import (
     rabbitmq_close_connections,
     rabbitmq_delete_vhost,
     rabbitmq_purge_queues,
+    restarts_redis_of,
     with_vhost,
 )
 from .support import LeaseEnv, pg_only
@@ -44,7 +47,9 @@ def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
     lease_env: LeaseEnv, redis_url: str, tmp_path: Path
 ) -> None:
     p = lease_env.project(broker_url=redis_url, source=SOURCE, **TIMINGS)
-    exclusive = os.environ.get(EXCLUSIVE_ENV) == "1" or not foreign_sessions()
+    exclusive = restarts_redis_of(redis_url) and (
+        os.environ.get(EXCLUSIVE_ENV) == "1" or not foreign_sessions()
+    )
     opts = Options(
         seed=seed_from_env(),
         chaos_seconds=20.0,
@@ -61,6 +66,28 @@ def test_chaos_soak_loses_nothing_and_runs_nothing_twice(
     report = Soak(p, opts, redis_url, echo=print).run()
     print(report.table())
     assert report.ok, report.failure_message()
+
+
+def test_the_faults_drawn_depend_on_the_broker_and_the_store() -> None:
+    # a SQLite store has no connections to kill: no pg_terminate; a Redis and PostgreSQL
+    # run draws the five kinds its published seeds were drawn with, in their order
+    published = ("kill_child", "kill_worker", "freeze", "redis", "pg_terminate")
+    assert fault_kinds("redis") == fault_kinds("redis", "postgresql") == published
+    assert fault_kinds("redis", "sqlite") == ("kill_child", "kill_worker", "freeze", "redis")
+    assert fault_kinds("amqp", "sqlite") == (
+        "kill_child",
+        "kill_worker",
+        "freeze",
+        "rabbitmq_purge",
+        "rabbitmq_disconnect",
+    )
+    for broker in ("redis", "amqp"):
+        on_sqlite = make_plan(Options(seed=7, broker=broker, store="sqlite", chaos_seconds=300))
+        on_pg = make_plan(Options(seed=7, broker=broker, chaos_seconds=300))
+        assert on_sqlite.workload == on_pg.workload
+        kinds = {event.kind for event in on_sqlite.faults}
+        assert kinds == set(fault_kinds(broker, "sqlite"))
+        assert {event.kind for event in on_pg.faults} == set(fault_kinds(broker))
 
 
 def test_a_violation_keeps_its_evidence(
