@@ -111,3 +111,33 @@ def test_a_backlog_of_late_deliveries_starts_without_a_burst(
     assert len(times) == 60
     assert before_their_turn(times, 0.05) == [], times
     assert bursts(times, 0.05) == [], times
+
+
+BY_NAME = """
+
+@app.task(
+    base=LeasedTask,
+    shared=False,
+    name="r.by_name",
+    global_rate_limit="2/s",
+    concurrency_key=lambda args, kwargs: kwargs["tenant"],
+)
+def by_name(i, tenant=None):
+    return i
+"""
+
+
+@pg_only()
+def test_a_message_whose_key_cannot_be_made_is_still_paced(lease_env: LeaseEnv) -> None:
+    """A message sent by name without the key's argument (never checked at submission)
+    counts under the key ``""`` and keeps its task's rate: adopted, run once each, a
+    start per interval. Before, its slot lost the rate and the claim dropped it."""
+    p = lease_env.project(source=SOURCE + BY_NAME, embedded_reaper=False, ttl=10.0)
+    p.worker("w1", concurrency=2)
+    app = p.module.app
+    ids = [app.send_task("r.by_name", args=(i,)).id for i in range(3)]
+    for task_id in ids:
+        assert p.wait_state(task_id, S.SUCCEEDED, timeout=60).attempt == 1
+    times = starts(p, ids)
+    assert len(times) == 3 and before_their_turn(times, 0.5) == [], times
+    assert "counted under the key ''" in p.workers[0].log_text()

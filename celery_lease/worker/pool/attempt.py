@@ -181,7 +181,7 @@ class _Delivery:
                 self.task_id,
                 error,
             )
-            return Slot(limit.task, "", limit.limit)
+            return Slot(limit.task, "", limit.limit, limit.interval)
 
     def _held_by_pause(self) -> bool:
         """A delivery of a paused task name (or prefetched from a paused queue) is not
