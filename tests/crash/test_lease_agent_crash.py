@@ -88,9 +88,12 @@ def test_agent_killed_with_a_claim_made_ahead_and_not_handed_over(
 def test_database_unreachable_while_deliveries_wait_for_their_claims(
     lease_env: LeaseEnv, request: pytest.FixtureRequest, broker: str
 ) -> None:
+    # a TTL long enough that the worker is still claimable (its heartbeat not lapsed)
+    # when the deliveries arrive, however loaded the machine: a worker that fenced
+    # itself first claims nothing ahead, and the agent's failed claim never comes
     p = lease_env.project(
         broker_url=request.getfixturevalue(f"{broker}_url"),
-        ttl=2.0,
+        ttl=10.0,
         heartbeat_interval=0.5,
         settings={"lease_db_timeout": 1.0, "worker_prefetch_multiplier": 4},
     )
