@@ -298,6 +298,7 @@ class LeasedProject:
             now = self.store.get(task_id)
             raise AssertionError(
                 f"{error}: task {task_id} is {now.state if now else 'missing'}, not {wanted}"
+                + self.diagnosis(task_id)
                 + self.stacks()
             ) from None
         assert record is not None
@@ -309,6 +310,29 @@ class LeasedProject:
             return worker.wait_log(pattern, timeout=timeout).group(0)
         except AssertionError as error:
             raise AssertionError(f"{error}{self.stacks()}") from None
+
+    def diagnosis(self, task_id: str) -> str:
+        """What a task that never reached its state went through, for the failure
+        report: its row's publishing and waiting marks, its audit trail, and every
+        worker's log lines that name it (with each log's last lines)."""
+        out = []
+        record = self.store.get(task_id)
+        if record is not None:
+            out.append(
+                f"row: attempt={record.attempt} published_at={record.published_at} "
+                f"eta={record.eta} owner_node={record.owner_node} reason={record.reason!r}"
+            )
+        for r in self.store.history(task_id):
+            state = r.from_state.value if r.from_state else None
+            out.append(f"  {r.at} {state} -> {r.to_state.value}: {r.reason} ({r.actor})")
+        for proc in self.workers:
+            lines = (proc.log_text() or "").splitlines()
+            named = [line for line in lines if task_id in line][-40:]
+            out.append(f"--- {proc.nodename} log: lines naming the task ---")
+            out += named
+            out.append(f"--- {proc.nodename} log: last lines ---")
+            out += lines[-15:]
+        return "\n\ndiagnosis:\n" + "\n".join(out)
 
     def stacks(self) -> str:
         """Python stacks of every live worker process (with py-spy, when installed): what
