@@ -139,7 +139,7 @@ DEDUP_KEYS = ("k0", "k1", "k2")
 STEPS = ("load", "charge", "send")
 NODES = ("n1", "n2", "n3")
 #: Rows an example makes at most (few rows, many moves each).
-MAX_TASKS = 8
+MAX_TASKS = 7
 #: Which of the last three workers renew while time passes (a bit each): mostly all.
 BEATING = (7, 7, 7, 3, 1, 0)
 
@@ -690,8 +690,8 @@ class StoreMachine(RuleBasedStateMachine):
         interval=st.sampled_from(RATE_INTERVALS),
         spec=specs,
         key=st.sampled_from(RATE_KEYS),
-        n=st.integers(2, 4),
-        workers=st.lists(PICK, max_size=4),
+        n=st.integers(2, 3),
+        workers=st.lists(PICK, max_size=3),
     )
     def start_rate(
         self, interval: float, spec: dict[str, Any], key: str, n: int, workers: list[int]
