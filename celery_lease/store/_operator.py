@@ -134,6 +134,9 @@ class Operator(Counting):
                 next_retry_at=None,
                 finished_at=None,
                 eta=None,
+                # published now (by the caller, or by the grace sweep if it dies first):
+                # not held, whatever an earlier pacing left on the row
+                held=False,
                 cancel_requested_at=None,
                 cancel_actor=None,
                 cancel_reason=None,

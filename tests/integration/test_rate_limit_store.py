@@ -308,3 +308,30 @@ def test_an_on_time_start_whose_interval_a_late_row_filled_is_paced_again(store)
     assert isinstance(store.claim(b, owner, "w", slot=slot), Claim)
     recorded = last_start(store)
     assert recorded is not None and abs(seconds(recorded, store.now()) - 1.7) < 0.1
+
+
+def test_a_row_an_operator_retries_is_not_left_held_by_an_earlier_pacing(make_store):
+    # what the model test found: a paced row held in the store (its start far ahead)
+    # whose message came at its start anyway (a second copy, before the held sweep ran)
+    # ran with its held mark; failed, then retried by an operator (PENDING, no ETA), it
+    # stayed held, and if the operator's process died before publishing it, neither the
+    # held sweep (it takes held rows by their ETA) nor the grace sweep (it leaves held
+    # rows to the held sweep) would ever publish it
+    store = make_store(hold_eta_after=1.0)
+    owner = register(store)
+    slot = Slot(NAME, "", 0, interval=5.0)
+    a, b = submit(store, 2)
+    assert isinstance(store.claim(a, owner, "w", slot=slot), Claim)
+    paced = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(paced, Refusal) and paced.paced and paced.held
+    make_due(store, b)
+    run = store.claim(b, owner, "w", slot=slot)
+    assert isinstance(run, Claim)
+    assert store.finish(run.lease, S.FAILED, actor="task", reason="failed")
+    assert store.operator_move(b, S.PENDING, actor="op", reason="retried") is S.FAILED
+    # the operator's process died before it published the row: after the grace, the
+    # reaper publishes it
+    t = store.t.tasks
+    with store.engine.begin() as conn:
+        conn.execute(update(t).where(t.c.id == b).values(updated_at=after(db_now(), -60.0)))
+    assert [p.id for p in store.take_unpublished()] == [b]

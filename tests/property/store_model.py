@@ -14,7 +14,17 @@ concurrency limits of a limited task (``concurrency_limit`` per ``concurrency_ke
 claims with a :class:`~celery_lease.store.Slot` (a claim the count stops leaves the row
 waiting), the slots freed by outcomes, retries, expiries, overruns and runs ended, the
 grants of the worker whose commit freed them (``Slots.grant``) and the reaper's
-backstop (``take_waiting``), cancelled and paused waiting rows.
+backstop (``take_waiting``), cancelled and paused waiting rows; and the global rate
+limits (``global_rate_limit``, one start an interval per key): a rate-limited task
+(a rate alone, under the key ``""`` of a task without a ``concurrency_key`` and under
+a key), and the limited task with a rate as well in half the examples. A claim starts
+the row when its key is idle or when the row, paced earlier, comes on time for its
+reserved start in an interval no other start took; any other claim paces it (the
+key's next free start becomes its ETA, ``slot='paced'``; published again for it by
+the worker, or held in the store when it is more than ``lease_hold_eta_after``
+away, for the reaper's held sweep). Paced rows are delivered at their start, or
+late by up to five seconds (more than an interval); cancelled; published by the
+held sweep.
 
 A plain-Python reference model (:class:`Model`: the rules of ``celery_lease/states.py``,
 ``celery_lease/policy.py`` and DESIGN.md, written again without SQL) predicts every
@@ -35,7 +45,15 @@ answer. After every rule the database must equal the model and these must hold:
   grant, and after the backstop, no row waits while its key has a slot free (unless
   its task is paused); ``lease check``'s ``waiting_with_free_slot`` reports only rows
   the model says wait with a slot free; every commit that ended a run holding a slot
-  told ``on_slots_freed`` its (name, key).
+  told ``on_slots_freed`` its (name, key);
+* a rate holds: the starts of each rate-limited key (its claims' ``started_at``, in
+  database time) number at most ``k + 1`` in any ``k`` intervals, and the ``k``-th
+  start after a key's first comes ``k`` intervals after it at least; each key's last
+  start and next free start (``concurrency.last_start_at``, ``next_start_at``) are
+  the model's; a paced row is PENDING with the ETA the model gave it, or cancelled
+  (never started, never counted); every row's ``held`` mark is the model's, and no
+  PENDING row is held without an ETA (the held sweep, which publishes it, would never
+  take it).
 
 **The clock.** Every decision compares database time, and the test sets the database's
 clock in SQL the database evaluates (see :mod:`tests.property.model_database`): time
@@ -44,13 +62,21 @@ the store and deterministic, and Hypothesis can shrink a failure to the shortest
 sequence of rules. Time moves in whole seconds and every duration the rules compare
 (TTLs, ``max_runtime``, grace periods, retention, countdowns) ends in half a second, so
 no comparison ever falls on a boundary (SQLite's REAL timestamps are exact to about
-ten microseconds).
+ten microseconds). A rate's interval is 2.5 s or 4.5 s and 1/1024 s, so that the
+starts it spaces (whole seconds plus multiples of it) stay off whole seconds, and off
+each other, by a millisecond at least. One boundary is the rate's own: a start that
+records the moment an interval back (a key idle for long) makes the key idle again at
+that same moment, which PostgreSQL reads as idle (the claim's time, read twice, is
+one value) and SQLite either way (its time is a REAL, which the claim also reads
+rounded to the microsecond); there the model takes SQLite's answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import uuid
 from datetime import datetime, timezone
 from typing import Any
@@ -83,9 +109,28 @@ MAX_RUNTIMES = (None, 6.5)
 COUNTDOWNS = (None, 0.0, 2.5)
 RETRY_DELAYS = (0.0, 2.5)
 TICKS = (1, 2, 3, 5, 8, 13)
-NAMES = ("mail", "ship", "lim")
+NAMES = ("mail", "ship", "lim", "rate")
 #: The limited task: at most ``StoreMachine.limit`` RUNNING at once per concurrency key.
 LIMITED = "lim"
+#: The rate-limited task: a ``global_rate_limit`` alone (no concurrency limit).
+RATE = "rate"
+#: Its keys: ``""`` is the one key of a task without a ``concurrency_key`` (and the key
+#: of a delivery whose key cannot be made).
+RATE_KEYS = ("", "k=a")
+#: Seconds between two starts per key a ``global_rate_limit`` gives, drawn per example
+#: (for the rate-limited task; the limited task has one too in half the examples).
+#: Starts add up intervals from whole seconds: 2.5 s would put every second start on
+#: a whole second, where the clock stops (a boundary). The 1/1024 s more keeps whole
+#: seconds plus up to a few hundred intervals off whole seconds, and off each other, by
+#: about a millisecond at least (exact in binary, and far more than SQLite's REAL
+#: timestamps blur).
+RATE_INTERVALS = (2.5 + 2**-10, 4.5 + 2**-10)
+#: How late a paced row's delivery comes after its start (seconds after the whole
+#: second that follows it): on time, or late by more than an interval.
+LATENESS = (0, 0, 1, 2, 5)
+#: Seconds two database times of the rate may differ by and be one (SQLite's times are
+#: REALs, blurred by tens of microseconds; distinct times differ by a millisecond).
+SAME_TIME = 2e-4
 #: The concurrency keys of the limited task's submissions (its argument ``k``).
 SLOT_KEYS = ("k=a", "k=b")
 #: The limit an example's limited task gives (drawn once per example).
@@ -94,7 +139,7 @@ DEDUP_KEYS = ("k0", "k1", "k2")
 STEPS = ("load", "charge", "send")
 NODES = ("n1", "n2", "n3")
 #: Rows an example makes at most (few rows, many moves each).
-MAX_TASKS = 6
+MAX_TASKS = 7
 #: Which of the last three workers renew while time passes (a bit each): mostly all.
 BEATING = (7, 7, 7, 3, 1, 0)
 
@@ -125,7 +170,22 @@ LIVENESS_KINDS = frozenset(
     }
 )
 #: ``tasks.slot`` values (celery_lease/store/_slots.py), written again.
-WAITING, GRANTED, OVERRUN = "waiting", "granted", "overrun"
+WAITING, GRANTED, OVERRUN, PACED = "waiting", "granted", "overrun", "paced"
+
+
+def _seconds(at: datetime | None) -> float | None:
+    """A database time as seconds since EPOCH (the model's time)."""
+    if at is None:
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return (at - EPOCH).total_seconds()
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) < SAME_TIME
 
 
 @dataclasses.dataclass
@@ -171,6 +231,8 @@ class MTask:
     #: ``tasks.slot`` and ``tasks.slot_key`` as the store must have written them.
     slot: str | None = None
     slot_key: str | None = None
+    #: ``tasks.held``: kept in the store until the reaper's held sweep publishes it.
+    held: bool = False
 
 
 @dataclasses.dataclass
@@ -205,6 +267,15 @@ def expiry_decision(task: MTask, now: float, max_age: float | None) -> State:
     if max_age is not None and now - task.created_at > max_age:
         return State.WAIT_MANUAL
     return State.RETRY_WAIT
+
+
+def _key_of(spec: dict[str, Any]) -> str | None:
+    """The key a submission of ``spec`` counts under (``None``: its task has no limit)."""
+    if spec["name"] == LIMITED:
+        return str(spec["key"])
+    if spec["name"] == RATE:
+        return str(spec["rate_key"])
+    return None
 
 
 # -- the machine ------------------------------------------------------------------------
@@ -244,6 +315,16 @@ class StoreMachine(RuleBasedStateMachine):
         self.freed: set[tuple[str, str]] = set()
         self.expected_freed: set[tuple[str, str]] = set()
         self.store.on_slots_freed = self.freed.update
+        #: The rate-limited task's seconds between two starts (drawn by
+        #: :meth:`start_rate`), and the limited task's (``None``: none; by :meth:`start`).
+        self.rate_interval = RATE_INTERVALS[0]
+        self.lim_interval: float | None = None
+        #: Each rate-limited (name, key) a claim locked: its ``concurrency`` row's last
+        #: start and next free start (seconds from EPOCH; ``None``: none yet).
+        self.rates: dict[tuple[str, str], list[float | None]] = {}
+        #: The starts the store made under each rate-limited (name, key): its claims'
+        #: ``started_at`` (database time), whatever the model predicted.
+        self.starts: dict[tuple[str, str], list[float]] = {}
         for node in NODES[:2]:  # two workers from the start; more come and go by rules
             self.start_worker(node)
 
@@ -299,7 +380,7 @@ class StoreMachine(RuleBasedStateMachine):
         return MTask(
             id=task_id,
             name=spec["name"],
-            key=spec["key"] if spec["name"] == LIMITED else None,
+            key=_key_of(spec),
             dedup_key=spec["dedup_key"],
             lease_ttl=spec["lease_ttl"],
             max_runtime=spec["max_runtime"],
@@ -350,7 +431,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _claimed(self, task: MTask, worker: MWorker, lease: Lease) -> None:
         if task.key is not None:
-            task.slot, task.slot_key = None, task.key
+            # a rate alone holds no slot: its run counts under no key
+            task.slot, task.slot_key = None, task.key if task.name == LIMITED else None
         task.attempt += 1
         assert lease.attempt == task.attempt, (lease, task.attempt)
         self._audit(task, State.PENDING, State.RUNNING)
@@ -389,7 +471,8 @@ class StoreMachine(RuleBasedStateMachine):
         if task.slot == WAITING:
             return False  # acked on purpose: published when granted a slot
         if task.published_at is None:
-            return task.updated_at + TIMINGS["publish_grace"] < self.now
+            # a held row is published by the held sweep, when due
+            return not task.held and task.updated_at + TIMINGS["publish_grace"] < self.now
         pc = task.publish_count
         backoff = 1 if pc <= 1 else 64 if pc >= 7 else 1 << (pc - 1)
         base = max(task.eta if task.eta is not None else task.published_at, task.published_at)
@@ -399,7 +482,19 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _slot(self, task: MTask) -> Slot | None:
         """The slot a delivery of ``task`` claims with (``None``: not limited)."""
-        return None if task.key is None else Slot(LIMITED, task.key, self.limit)
+        if task.key is None:
+            return None
+        if task.name == RATE:
+            return Slot(RATE, task.key, 0, self.rate_interval)
+        return Slot(LIMITED, task.key, self.limit, self.lim_interval)
+
+    def _locked(self, slot: Slot) -> None:
+        """A claim with ``slot`` locked its (name, key): the store has its row."""
+        pair = (slot.name, slot.key)
+        if slot.limit > 0:
+            self.keys.add(pair)
+        if slot.interval is not None:
+            self.rates.setdefault(pair, [None, None])
 
     def _in_use(self, name: str, key: str, exclude: str | None = None) -> int:
         """The slots in use under (name, key), as the design counts them: RUNNING rows of
@@ -443,6 +538,7 @@ class StoreMachine(RuleBasedStateMachine):
             task.slot = GRANTED
             task.published_at = None
             task.updated_at = self.now
+            task.held = False
         return [t.id for t in granted]
 
     def _published_granted(self, ids: list[str], published: bool) -> None:
@@ -562,6 +658,7 @@ class StoreMachine(RuleBasedStateMachine):
             "on_timeout": st.sampled_from(("retry", "retry", "retry", "manual")),
             "countdown": st.sampled_from(COUNTDOWNS),
             "key": st.sampled_from(SLOT_KEYS),
+            "rate_key": st.sampled_from(RATE_KEYS),
         }
     )
 
@@ -571,13 +668,39 @@ class StoreMachine(RuleBasedStateMachine):
         key=st.sampled_from(SLOT_KEYS),
         n=st.integers(2, 3),
         workers=st.lists(PICK, max_size=3),
+        interval=st.sampled_from((None, None, *RATE_INTERVALS)),
     )
-    def start(self, limit: int, spec: dict[str, Any], key: str, n: int, workers: list[int]) -> None:
-        """The limited task's ``concurrency_limit`` in this example, and a first burst
-        of its rows (see :meth:`submit_limited`): every example starts with work to do,
-        and a limit to respect."""
-        self.limit = limit
+    def start(
+        self,
+        limit: int,
+        spec: dict[str, Any],
+        key: str,
+        n: int,
+        workers: list[int],
+        interval: float | None = None,
+    ) -> None:
+        """The limited task's ``concurrency_limit`` in this example, its
+        ``global_rate_limit`` (or none), and a first burst of its rows (see
+        :meth:`submit_limited`): every example starts with work to do, and a limit to
+        respect."""
+        self.limit, self.lim_interval = limit, interval
         self.submit_limited(spec, key, n, workers)
+
+    @initialize(
+        interval=st.sampled_from(RATE_INTERVALS),
+        spec=specs,
+        key=st.sampled_from(RATE_KEYS),
+        n=st.integers(2, 3),
+        workers=st.lists(PICK, max_size=3),
+    )
+    def start_rate(
+        self, interval: float, spec: dict[str, Any], key: str, n: int, workers: list[int]
+    ) -> None:
+        """The rate-limited task's ``global_rate_limit`` in this example, and a first
+        burst of its rows (see :meth:`submit_rate`): the first delivered starts, the
+        others are paced, one an interval."""
+        self.rate_interval = interval
+        self.submit_rate(spec, key, n, workers)
 
     @precondition(lambda self: len(self.tasks) < MAX_TASKS)
     @rule(spec=specs)
@@ -598,6 +721,23 @@ class StoreMachine(RuleBasedStateMachine):
         as many delivered as ``workers`` picks (to those workers, in turn: the count
         stops those past the limit)."""
         spec = {**spec, "name": LIMITED, "key": key, "dedup_key": None, "countdown": None}
+        self._burst(spec, n, workers)
+
+    @precondition(lambda self: len(self.tasks) < MAX_TASKS)
+    @rule(
+        spec=specs,
+        key=st.sampled_from(RATE_KEYS),
+        n=st.integers(2, 4),
+        workers=st.lists(PICK, max_size=4),
+    )
+    def submit_rate(self, spec: dict[str, Any], key: str, n: int, workers: list[int]) -> None:
+        """A few rows of the rate-limited task under one key, due at once, published,
+        and as many delivered as ``workers`` picks (the rate paces those after the
+        first a key starts)."""
+        spec = {**spec, "name": RATE, "rate_key": key, "dedup_key": None, "countdown": None}
+        self._burst(spec, n, workers)
+
+    def _burst(self, spec: dict[str, Any], n: int, workers: list[int]) -> None:
         ids = [self._new_id() for _ in range(n)]
         answers = self.store.submit_many([self._row(spec, i) for i in ids])
         assert answers == [self._expect_submit(spec, i) for i in ids]
@@ -648,8 +788,8 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._live_workers() and self._pending_limited())
     @rule(picks=st.lists(st.tuples(PICK, PICK), min_size=1, max_size=3))
     def claim_limited(self, picks: list[tuple[int, int]]) -> None:
-        """Deliveries of PENDING rows of the limited task to some workers, one after
-        the other (the count may stop them)."""
+        """Deliveries of PENDING rows of the limited or the rate-limited task to some
+        workers, one after the other (the count may stop them, or the rate pace them)."""
         for w, i in picks:
             pending = self._pending_limited()
             if not pending or not self._live_workers():
@@ -660,14 +800,33 @@ class StoreMachine(RuleBasedStateMachine):
     def _pending_limited(self) -> list[str]:
         return [t.id for t in self.tasks.values() if t.key is not None and t.state is State.PENDING]
 
+    @precondition(lambda self: self._live_workers() and self._paced())
+    @rule(w=PICK, i=PICK, late=st.sampled_from(LATENESS))
+    def paced_delivery(self, w: int, i: int, late: int) -> None:
+        """A paced row's message, published again for its start, arrives: time passes
+        to the whole second that follows its ETA (the workers renewing), and ``late``
+        seconds more (a backlog ahead of it, a worker stopped)."""
+        task = self.tasks[self._pick(self._paced(), i)]
+        assert task.eta is not None
+        target = max(self.now, math.ceil(task.eta)) + late
+        if target > self.now:
+            self.tick(seconds=int(target - self.now), beating=7)
+        if self._live_workers():
+            self._deliver(self._pick(self._live_workers(), w), task)
+
+    def _paced(self) -> list[str]:
+        return sorted(
+            t.id for t in self.tasks.values() if t.state is State.PENDING and t.slot == PACED
+        )
+
     def _deliver(self, worker: MWorker, task: MTask) -> None:
         slot = self._slot(task)
         answer = self._claim(task.id, worker, slot)
         if slot is not None:
-            self.keys.add((slot.name, slot.key))
+            self._locked(slot)
+            self._record_start(task.id, slot, answer)
         if task.state is State.PENDING and self._due(task):
-            if slot is not None and self._in_use(slot.name, slot.key, task.id) >= slot.limit:
-                self._waits(task, slot, answer)
+            if slot is not None and not self._starts(task, slot, answer):
                 return
             assert isinstance(answer, Claim), (
                 f"claim of {task.id} answered {answer}, the model says it claims"
@@ -680,10 +839,114 @@ class StoreMachine(RuleBasedStateMachine):
         assert isinstance(answer, Refusal), answer
         assert answer.state is task.state
         assert answer.early == (task.state is State.PENDING)
-        assert not answer.waiting
+        assert not answer.waiting and not answer.paced
 
     def _claim(self, task_id: str, worker: MWorker, slot: Slot | None) -> Claim | Refusal:
         return self.store.claim(task_id, worker.id, f"worker:{worker.node}", slot=slot)
+
+    def _starts(self, task: MTask, slot: Slot, answer: Claim | Refusal) -> bool:
+        """Whether the claim of a due PENDING row of a limited or rate-limited task
+        starts it: with a rate, the key must be idle or the row on time for its
+        reserved start (otherwise it is paced, whatever the count); with a limit, a
+        slot must be free under its key (otherwise it waits)."""
+        if slot.interval is not None and not self._may_start(task, slot, answer):
+            self._paces(task, slot, answer)
+            return False
+        if slot.limit > 0 and self._in_use(slot.name, slot.key, task.id) >= slot.limit:
+            self._waits(task, slot, answer)
+            return False
+        if slot.interval is not None:
+            self._took_start(task, slot)
+        return True
+
+    def _may_start(self, task: MTask, slot: Slot, answer: Claim | Refusal) -> bool:
+        """``Claims._may_start``, written again: the key is idle (its last start's
+        interval has ended), or the row was paced and comes on time for its reserved
+        start (its ETA passed less than an interval ago) in an interval no other start
+        took (the key's last start is an interval before it at least)."""
+        assert slot.interval is not None
+        last, following = self.rates[(slot.name, slot.key)]
+        interval, now = slot.interval, self.now
+        on_time = (
+            task.slot == PACED
+            and task.eta is not None
+            and task.eta > now - interval
+            and (last is None or last <= task.eta - interval)
+        )
+        # (a key whose last start is not known is idle once its next start has come)
+        idle = (following is None or following <= now) if last is None else last <= now - interval
+        if last == now - interval and not on_time and not self.db.is_pg:
+            # the boundary of the rate itself (see the module's docstring): SQLite's
+            # answer decides
+            _note("rate: a delivery at the idle boundary (SQLite's rounding decides)")
+            idle = isinstance(answer, Claim) or (isinstance(answer, Refusal) and answer.waiting)
+        return idle or on_time
+
+    def _took_start(self, task: MTask, slot: Slot) -> None:
+        """``Claims._record_start``, written again: the start the claim records as the
+        key's last (a reserved start taken on time: its time; otherwise the end of the
+        last start's interval, or the moment an interval back if that is later), and
+        the key's next free start, an interval from now at least."""
+        assert slot.interval is not None
+        pair = (slot.name, slot.key)
+        last, following = self.rates[pair]
+        interval, now = slot.interval, self.now
+        reserved = task.eta if task.slot == PACED else None
+        at = max(now if last is None else last + interval, now - interval)
+        if reserved is None:
+            _note("rate: a delivery started in an idle key")
+        elif reserved > now - interval and (last is None or last <= reserved - interval):
+            at = reserved
+            _note("rate: a paced row started on time, at its reserved start")
+        else:
+            _note("rate: a paced row, late, started in an idle key")
+        soonest = now + interval
+        self.rates[pair] = [at, soonest if following is None else max(following, soonest)]
+
+    def _paces(self, task: MTask, slot: Slot, answer: Claim | Refusal) -> None:
+        """``Claims._pace``, written again: a due PENDING row that may not start is given
+        the key's next free start (its ETA; the next free start moves an interval on),
+        published again for it by its worker, or held in the store when it is more
+        than ``lease_hold_eta_after`` away."""
+        assert slot.interval is not None
+        pair = (slot.name, slot.key)
+        last, following = self.rates[pair]
+        start = following if following is not None and following > self.now else None
+        start = self.now + slot.interval if start is None else start
+        held = start - self.now > TIMINGS["hold_eta_after"]
+        assert isinstance(answer, Refusal) and answer.paced, (
+            f"claim of {task.id} answered {answer}, the model says it is paced to the "
+            f"start at {start} (now {self.now}; {slot.label()}'s last start {last})"
+        )
+        assert answer.state is State.PENDING and not answer.waiting and not answer.early
+        assert answer.held == held, f"paced to {start} (now {self.now}): held {answer.held}"
+        _note("rate: a delivery paced again" if task.slot == PACED else "rate: a delivery paced")
+        if held:
+            _note("rate: a paced row held in the store")
+        self.rates[pair] = [last, start + slot.interval]
+        task.slot, task.slot_key, task.eta, task.held = PACED, slot.key, start, held
+        task.updated_at = self.now
+        if not held:
+            # its worker publishes it again at once, due at its start
+            rows = self.store.take_pending([task.id])
+            assert [p.id for p in rows] == [task.id], rows
+            countdown = rows[0].countdown
+            assert countdown is not None and abs(countdown - (start - self.now)) < 1e-3, rows
+            task.published_at = None
+            self.store.mark_published([task.id])
+            self._published(task)
+
+    def _record_start(self, task_id: str, slot: Slot, answer: Claim | Refusal) -> None:
+        """A start the store made under a rate-limited key, as it recorded it (the
+        claim's ``started_at``: database time), whatever the model predicted."""
+        if slot.interval is None or not isinstance(answer, Claim):
+            return
+        t = self.store.t.tasks
+        with self.store.engine.connect() as conn:
+            at = conn.execute(select(t.c.started_at).where(t.c.id == task_id)).scalar_one()
+        started = _seconds(at)
+        assert started is not None and _same(started, self.now), (task_id, at, self.now)
+        self.starts.setdefault((slot.name, slot.key), []).append(started)
 
     def _waits(self, task: MTask, slot: Slot, answer: Claim | Refusal) -> None:
         """A due PENDING row whose claim the count stops: it waits for a slot."""
@@ -716,15 +979,15 @@ class StoreMachine(RuleBasedStateMachine):
             task_id, worker.id, f"worker:{worker.node}", adopt=self._row(spec, task_id), slot=slot
         )
         if slot is not None:
-            self.keys.add((slot.name, slot.key))
+            self._locked(slot)
+            self._record_start(task_id, slot, answer)
         if task_id in self.tombstones:
             assert isinstance(answer, Refusal) and answer.state is None, answer
             return
         task.published_at = self.now
         self.tasks[task_id] = task
         self._audit(task, None, State.PENDING)
-        if slot is not None and self._in_use(slot.name, slot.key) >= slot.limit:
-            self._waits(task, slot, answer)
+        if slot is not None and not self._starts(task, slot, answer):
             return
         assert isinstance(answer, Claim), answer
         assert answer.resumed
@@ -842,7 +1105,7 @@ class StoreMachine(RuleBasedStateMachine):
         return [
             n
             for n, ex in enumerate(self.execs)
-            if self._holds(n) and self.tasks[ex.lease.task_id].key is not None
+            if self._holds(n) and self.tasks[ex.lease.task_id].name == LIMITED
         ]
 
     def _write_outcome(self, lease: Lease, kind: str, batched: bool, delay: float) -> bool:
@@ -880,6 +1143,7 @@ class StoreMachine(RuleBasedStateMachine):
             task.next_retry_at = None
             task.published_at = None
             task.publish_count = 0
+            task.held = False  # published by its worker
             return
         self._audit(task, task.state, to[kind])
         task.finished_at = self.now
@@ -941,6 +1205,7 @@ class StoreMachine(RuleBasedStateMachine):
                 task.published_at = None
                 task.eta = None
                 task.publish_count = 0
+                task.held = False
         assert {p.id for p in taken} == expected
 
     @rule()
@@ -953,9 +1218,35 @@ class StoreMachine(RuleBasedStateMachine):
             task = self.tasks[task_id]
             task.published_at = None
             task.updated_at = self.now
+            task.held = False
         self.store.mark_published(sorted(expected))
         for task_id in expected:
             self._published(self.tasks[task_id])
+
+    @rule(published=st.booleans())
+    def reap_held(self, published: bool) -> None:
+        """The reaper's held sweep: rows held in the store (a start a rate limit
+        reserved far ahead) whose ETA comes within a reaper interval, reserved for
+        publishing (``published``: and published; otherwise the grace sweep does it);
+        a held row that left PENDING only loses its mark."""
+        taken = self.store.take_held()
+        expected = []
+        for task in self.tasks.values():
+            soon = task.eta is not None and task.eta <= self.now + TIMINGS["reaper_interval"]
+            if not (task.held and soon and task.name not in self.paused):
+                continue
+            task.held = False
+            if task.state is State.PENDING:
+                expected.append(task.id)
+                task.published_at = None
+                task.updated_at = self.now
+        assert sorted(p.id for p in taken) == sorted(expected), (taken, expected)
+        if expected:
+            _note("rate: the held sweep published a paced row")
+        if published and expected:
+            self.store.mark_published(expected)
+            for task_id in expected:
+                self._published(self.tasks[task_id])
 
     @rule()
     def retention(self) -> None:
@@ -1007,6 +1298,7 @@ class StoreMachine(RuleBasedStateMachine):
             task.next_retry_at = None
             task.finished_at = None
             task.eta = None
+            task.held = False
             task.cancel_requested = False
             # a person decided: steps whose outcome was unknown run again
             task.steps = {n: s for n, s in task.steps.items() if s.state == STEP_DONE}
@@ -1025,6 +1317,8 @@ class StoreMachine(RuleBasedStateMachine):
             return
         if task.state is State.PENDING and task.slot in (WAITING, GRANTED):
             _note(f"limits: a {task.slot} row cancelled")  # it stops counting, takes nothing
+        if task.state is State.PENDING and task.slot == PACED:
+            _note("rate: a paced row cancelled")  # its start is never taken (rates_hold)
         self._audit(task, task.state, State.CANCELLED)
         task.finished_at = self.now
         task.token_exec = None
@@ -1103,7 +1397,8 @@ class StoreMachine(RuleBasedStateMachine):
         beats = {w.id: w.heartbeat_at for w in self.workers if not w.stopped}
         # running (and overruns whose owner lives), granted, waiting
         counted: dict[tuple[str, str], list[int]] = {k: [0, 0, 0] for k in self.keys}
-        for r in (r for r in rows if r.slot_key is not None):
+        # (a rate alone holds no slot: its paced rows' keys count nothing)
+        for r in (r for r in rows if r.slot_key is not None and r.name != RATE):
             n = counted.setdefault((str(r.name), str(r.slot_key)), [0, 0, 0])
             beat = beats.get(r.owner)
             if r.state == State.RUNNING.value:
@@ -1128,6 +1423,68 @@ class StoreMachine(RuleBasedStateMachine):
             f"on_slots_freed told {sorted(self.freed)}, "
             f"the model says {sorted(self.expected_freed)}"
         )
+
+    @invariant()
+    def rates_hold(self) -> None:
+        """At most ``k + 1`` starts in any ``k`` intervals under each rate-limited key,
+        counted from the starts the store made (database time), and the ``k``-th start
+        after a key's first ``k`` intervals after it at least; each key's
+        ``concurrency`` row (its limit, last start and next free start) is the model's;
+        a paced row is PENDING with the model's ETA, or cancelled; every row's ``held``
+        mark is the model's, and no PENDING row is held without an ETA."""
+        t, c = self.store.t.tasks, self.store.t.concurrency
+        with self.store.engine.connect() as conn:
+            rows = conn.execute(select(t.c.id, t.c.state, t.c.slot, t.c.eta, t.c.held)).all()
+            keys = conn.execute(
+                select(c.c.name, c.c.key, c.c.max_slots, c.c.last_start_at, c.c.next_start_at)
+            ).all()
+        for pair, starts in self.starts.items():
+            interval = self.rate_interval if pair[0] == RATE else self.lim_interval
+            assert interval is not None
+            ordered = sorted(starts)
+            for (i, a), (j, b) in itertools.combinations(enumerate(ordered), 2):
+                k = j - i - 1  # starts i..j: k + 2 of them, within b - a seconds
+                assert b - a > k * interval - SAME_TIME, (
+                    f"{pair[0]}[{pair[1]}]: {k + 2} starts within {k} intervals of "
+                    f"{interval} s ({a} to {b}): the rate is exceeded; starts {ordered}"
+                )
+                assert i > 0 or b - a > (k + 1) * interval - SAME_TIME, (
+                    f"{pair[0]}[{pair[1]}]: start {k + 1} after the key's first came "
+                    f"before its turn ({a} to {b}); starts {ordered}"
+                )
+        for r in rows:
+            task, pending = self.tasks.get(str(r.id)), r.state == State.PENDING.value
+            assert task is not None, f"{r.id}: a row the model does not have"
+            eta = _seconds(r.eta)
+            assert bool(r.held) == task.held, f"{r.id}: held {r.held}, model {task.held}"
+            assert not (pending and r.held and eta is None), (
+                f"{r.id}: PENDING, held in the store without an ETA: the held sweep never "
+                "publishes it, nor does the grace sweep"
+            )
+            if r.slot == PACED:
+                assert pending or r.state == State.CANCELLED.value, (r.id, r.state)
+                if pending:
+                    assert _same(eta, task.eta), f"{r.id}: paced to {eta}, model {task.eta}"
+        stored = {
+            (str(k.name), str(k.key)): (
+                int(k.max_slots),
+                _seconds(k.last_start_at),
+                _seconds(k.next_start_at),
+            )
+            for k in keys
+        }
+        want: dict[tuple[str, str], tuple[int, float | None, float | None]] = {
+            pair: (self.limit, None, None) for pair in self.keys
+        }
+        for pair, (last, following) in self.rates.items():
+            want[pair] = (self.limit if pair[0] == LIMITED else 0, last, following)
+        assert stored.keys() == want.keys(), f"concurrency rows {sorted(stored)}, {sorted(want)}"
+        for pair, (limit, last, following) in want.items():
+            got = stored[pair]
+            assert got[0] == limit and _same(got[1], last) and _same(got[2], following), (
+                f"{pair[0]}[{pair[1]}]: limit, last and next start {got}, "
+                f"the model's {(limit, last, following)}"
+            )
 
     @invariant()
     def database_equals_model(self) -> None:

@@ -1,7 +1,8 @@
 """The store against its reference model (see :mod:`tests.property.store_model`), on a
 SQLite file and on PostgreSQL, within a bounded example budget; and planted bugs the
-machine must catch: an outcome written without its fence, and a limited task's claim
-that does not count the slots in use.
+machine must catch: an outcome written without its fence, a limited task's claim
+that does not count the slots in use, and a rate-limited claim that starts a paced
+row on time without looking at the key's last start.
 
 ``CELERY_LEASE_MODEL_PROFILE`` names the Hypothesis profile (default ``model-ci``);
 ``scripts/model_check.py`` runs the machine for as long as one asks, with a seed.
@@ -17,14 +18,15 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import Float, and_, bindparam, insert, or_, select, update
 
 from celery_lease.states import State
 from celery_lease.store import Lease, NewTask, Store
-from celery_lease.store.schema import db_now
+from celery_lease.store._slots import PACED
+from celery_lease.store.schema import after, db_now
 
 from .model_database import Database
-from .store_model import LIMITED, StoreMachine, machine_for
+from .store_model import LIMITED, RATE, StoreMachine, machine_for
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
 
@@ -252,3 +254,78 @@ def test_the_machine_finds_the_uncounted_claim_by_itself(database: Database) -> 
     )
     with pytest.raises(AssertionError, match=r"the model says it waits|the limit is exceeded"):
         run_state_machine_as_test(machine_for(database, UncountedClaimMachine), settings=found)
+
+
+class UntakenIntervals(Store):
+    """A store with a planted bug in a copy of the rate limit's rule
+    (``Claims._may_start``): a paced row that comes on time for its reserved start
+    starts without the key's last start being read, so also when a late row already
+    took its interval (the real rule paces it again)."""
+
+    def _may_start(self, t: Any, name: Any, key: Any) -> Any:
+        c = self.t.concurrency
+        interval = bindparam("b_interval", type_=Float)
+        now = bindparam("b_now", type_=t.c.eta.type)
+        last = c.c.last_start_at
+        busy = or_(
+            last > after(now, -interval),
+            and_(last.is_(None), c.c.next_start_at > now),
+        )
+        idle = ~select(c.c.name).where(c.c.name == name, c.c.key == key, busy).exists()
+        on_time = and_(t.c.slot == PACED, t.c.eta > after(db_now(), -interval))
+        return or_(idle, on_time)
+
+
+class UntakenIntervalMachine(StoreMachine):
+    store_class = UntakenIntervals
+
+
+RATE_SPEC = {**SPEC, "name": RATE, "rate_key": ""}
+
+
+def _two_late_rows_and_one_on_time(machine: StoreMachine) -> None:
+    """One start every 2.5 s (and 1/1024 s: I), four rows of the rate-limited task
+    without a key, delivered at 0 s: the first starts, the others are paced to I, 2I
+    and 3I. The first paced row comes at 8 s, late: it starts, the key idle, and
+    records the start an interval back; the second comes at 9 s, late too, and starts,
+    the key idle again; the third comes at 9 s, on time for 3I, but in an interval
+    those starts took: a third start within one interval."""
+    machine.submit_rate(RATE_SPEC, key="", n=4, workers=[0, 0, 0, 0])
+    machine.rates_hold()
+    machine.paced_delivery(w=0, i=0, late=5)  # at 8 s
+    machine.paced_delivery(w=0, i=0, late=1)  # at 9 s
+    machine.rates_hold()
+    machine.paced_delivery(w=0, i=0, late=0)  # at 9 s
+
+
+@pytest.mark.violations
+def test_the_model_catches_a_claim_that_ignores_the_last_start(database: Database) -> None:
+    """The planted bug, in the shortest sequence of the machine's rules that shows it:
+    the third delivery starts. The rule's answer and the invariants both catch it."""
+    machine = machine_for(database, UntakenIntervalMachine)()
+    try:
+        with pytest.raises(AssertionError, match=r"answered Claim.*the model says it is paced"):
+            _two_late_rows_and_one_on_time(machine)
+        with pytest.raises(AssertionError, match=r"3 starts within 1 intervals.*rate is exceeded"):
+            machine.rates_hold()
+    finally:
+        machine.teardown()
+
+
+def test_the_same_deliveries_are_paced_with_the_real_claim(database: Database) -> None:
+    """The control: the real claim paces the third row again, to the key's next free
+    start, where it starts (at its reserved start: the beat goes on)."""
+    machine = machine_for(database)()
+    try:
+        _two_late_rows_and_one_on_time(machine)
+        (paced,) = [machine.tasks[i] for i in machine._paced()]
+        machine.rates_hold()
+        machine.database_equals_model()
+        machine.paced_delivery(w=0, i=0, late=0)
+        assert paced.state is State.RUNNING
+        assert machine.rates[(RATE, "")][0] == paced.eta  # its last start: the reserved one
+        machine.rates_hold()
+        machine.database_equals_model()
+        machine.lease_check_finds_nothing()
+    finally:
+        machine.teardown()
