@@ -323,6 +323,11 @@ class WorkerService:
         if self.outcomes is not None:
             self.outcomes.close()
         self._stopping.set()
+        # a sweep under way ends first (each of its store calls is bounded by
+        # lease_db_timeout): a lease it expires is then due, and published below with
+        # the rest, not left RETRY_WAIT for another worker's reaper
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.rt.config.db_timeout)
         self.heartbeat.stop()
         self.heartbeat.store.dispose()
         inc = self.incarnation
