@@ -29,6 +29,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import threading
@@ -140,6 +141,12 @@ class BackendWrites:
 
 
 # -- what Flower shows ------------------------------------------------------------------
+
+
+def _shows(events: EventLog, task_id: str, want: str) -> bool:
+    """Whether Flower lists ``task_id`` in the state ``want`` (its events caught up)."""
+    shown, listed, _ = flower_view(events, task_id)
+    return listed and shown == want
 
 
 def flower_events(app: Any) -> EventLog:
@@ -395,6 +402,18 @@ class Parity:
                 continue
             want = FLOWER_STATE[record.state]
             shown, listed, kinds = flower_view(self.events, task_id)
+            if shown != want or not listed:
+                # the worker's events reach the receiver through the broker, after the
+                # row may have been written: wait for the event state to reach it
+                caught_up = functools.partial(_shows, self.events, task_id, want)
+                with contextlib.suppress(AssertionError):
+                    wait_until(
+                        caught_up,
+                        timeout=10,
+                        interval=0.1,
+                        message=f"Flower's view of {task_id}",
+                    )
+                shown, listed, kinds = flower_view(self.events, task_id)
             if shown != want or not listed:
                 problems.append(
                     f"{short} {task_id}: row {record.state.value}, Flower shows {shown}"
