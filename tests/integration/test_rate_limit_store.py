@@ -150,8 +150,9 @@ def test_keys_are_paced_apart_and_a_start_that_came_is_taken_at_once(store):
     assert store.slot_usage() == []  # rate keys hold no slots
 
 
-@pytest.mark.parametrize("hold", [1.0])
-def test_a_start_further_than_lease_hold_eta_after_is_held_in_the_store(make_store, hold):
+def held_paced(make_store: Any, hold: float) -> tuple[Store, str, Slot, str]:
+    """A store holding ETAs further than ``hold`` seconds, a rate of one start every 5 s
+    whose first start is taken: (store, owner, slot, the second row, paced and held)."""
     store = make_store(hold_eta_after=hold)
     owner = register(store)
     slot = Slot(NAME, "", 0, interval=5.0)
@@ -159,6 +160,12 @@ def test_a_start_further_than_lease_hold_eta_after_is_held_in_the_store(make_sto
     assert isinstance(store.claim(a, owner, "w", slot=slot), Claim)
     refusal = store.claim(b, owner, "w", slot=slot)
     assert isinstance(refusal, Refusal) and refusal.paced and refusal.held
+    return store, owner, slot, b
+
+
+@pytest.mark.parametrize("hold", [1.0])
+def test_a_start_further_than_lease_hold_eta_after_is_held_in_the_store(make_store, hold):
+    store, owner, slot, b = held_paced(make_store, hold)
     assert row(store, b).held
     assert store.take_held() == []  # not due within a reaper interval
     make_due(store, b)
@@ -317,13 +324,7 @@ def test_a_row_an_operator_retries_is_not_left_held_by_an_earlier_pacing(make_st
     # stayed held, and if the operator's process died before publishing it, neither the
     # held sweep (it takes held rows by their ETA) nor the grace sweep (it leaves held
     # rows to the held sweep) would ever publish it
-    store = make_store(hold_eta_after=1.0)
-    owner = register(store)
-    slot = Slot(NAME, "", 0, interval=5.0)
-    a, b = submit(store, 2)
-    assert isinstance(store.claim(a, owner, "w", slot=slot), Claim)
-    paced = store.claim(b, owner, "w", slot=slot)
-    assert isinstance(paced, Refusal) and paced.paced and paced.held
+    store, owner, slot, b = held_paced(make_store, 1.0)
     make_due(store, b)
     run = store.claim(b, owner, "w", slot=slot)
     assert isinstance(run, Claim)
