@@ -127,6 +127,104 @@ def lifecycle(ctx: Context, variant: str, limit: int | None, interval: float | N
     }
 
 
+def parts_round(variant: str, slot: Any, batched: bool, n: int) -> list[dict]:
+    """Claims, then outcomes, of ``n`` rows, measured apart: one by one (a pool
+    process's own claim, an outcome written through) or in batches of 50 (the lease
+    agent's claims made ahead, the outcome writer's batches)."""
+    from celery_lease.states import State
+    from celery_lease.store import Claim, Outcome
+
+    out = []
+    with pg_schema("limits_parts") as schema:
+        store = _store(schema)
+        try:
+            owner = _worker(store)
+            ids = [uuid.uuid4().hex for _ in range(n)]
+            store.submit_many([noop_row(i) for i in ids])
+            store.mark_published(ids)
+            leases: list[Any] = []
+
+            def claims() -> None:
+                if not batched:
+                    for task_id in ids:
+                        got = store.claim(task_id, owner, "bench", slot=slot)
+                        assert isinstance(got, Claim), got
+                        leases.append(got.lease)
+                    return
+                for k in range(0, n, 50):
+                    asks = [(i, uuid.uuid4().hex) for i in ids[k : k + 50]]
+                    leases.extend(c.lease for c in store.claim_many(asks, owner, "bench").values())
+
+            def outcomes() -> None:
+                if not batched:
+                    for lease in leases:
+                        assert store.finish(lease, State.SUCCEEDED, actor="bench", reason="ok")
+                    return
+                for k in range(0, n, 50):
+                    batch = [Outcome(x, State.SUCCEEDED, "ok") for x in leases[k : k + 50]]
+                    assert all(store.finish_many(batch, actor="bench"))
+
+            for part, fn in (("claim", claims), ("outcome", outcomes)):
+                d0, c0 = proc_cpu_each(pg_backends()), time.process_time()
+                fn()
+                cpu = time.process_time() - c0
+                pg = proc_cpu_since(d0, pg_backends())
+                assert len(leases) == n
+                out.append(
+                    {
+                        "variant": variant,
+                        "mode": "batches of 50" if batched else "one by one",
+                        "part": part,
+                        "n": n,
+                        "client_ms": cpu / n * 1000,
+                        "pg_ms": pg / n * 1000,
+                    }
+                )
+        finally:
+            store.dispose()
+    return out
+
+
+def parts(ctx: Context) -> list[dict]:
+    """Claims and outcomes apart, unlimited (one by one and in batches) and with a
+    concurrency limit that never binds (one by one: a limited claim is the pool
+    process's own, and its outcome, written through, runs the grant's first read)."""
+    from celery_lease.store import Slot
+
+    n = ctx.scale(2000, 100)
+    limited = Slot("bench.noop", "", 100000, None)
+    return [
+        *parts_round("unlimited", None, False, n),
+        *parts_round("unlimited", None, True, n),
+        *parts_round("concurrency_limit=100000", limited, False, n),
+    ]
+
+
+def run_parts(ctx: Context) -> Section:
+    """claims and outcomes in the store, measured apart: one by one and in batches,
+    unlimited and limited (a minute)"""
+    section = Section("limits-parts", "15. Concurrency limits: claims and outcomes, apart")
+    rows = parts(ctx)
+    section.lines += table(
+        ["variant", "how", "part", "N", "client CPU ms / task", "PostgreSQL CPU ms / task", "both"],
+        [
+            [
+                r["variant"],
+                r["mode"],
+                r["part"],
+                r["n"],
+                r["client_ms"],
+                r["pg_ms"],
+                r["client_ms"] + r["pg_ms"],
+            ]
+            for r in rows
+        ],
+    )
+    section.lines += ["", f"Load average at the end: {loadavg()}."]
+    section.data = {"parts": rows}
+    return section
+
+
 def at_scale(ctx: Context) -> dict:
     """1,000 keys with their slots full and rows waiting: claim, free + grant, sweep."""
     from sqlalchemy import select, text, update
@@ -562,4 +660,6 @@ def run_throughput(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    raise SystemExit(standalone(run, parts={"rate": run_rate, "throughput": run_throughput}))
+    raise SystemExit(
+        standalone(run, parts={"rate": run_rate, "throughput": run_throughput, "parts": run_parts})
+    )

@@ -402,6 +402,32 @@ def test_the_held_sweep_benchmark_prints_its_table(pg_url: str, redis_url: str) 
 
 
 @pytest.mark.postgres
+@pytest.mark.timeout(120)
+def test_the_limits_benchmark_prints_claims_and_outcomes_apart(pg_url: str, redis_url: str) -> None:
+    proc = _run(
+        ["bench_limits.py", "--quick", "--only", "parts"],
+        REPO_ROOT / "benchmarks",
+        pg_url,
+        redis_url,
+        100,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    (parts,) = _tables(proc.stdout)
+    assert parts[0][:3] == ["variant", "how", "part"]
+    assert [row[:3] for row in parts[1:]] == [
+        ["unlimited", "one by one", "claim"],
+        ["unlimited", "one by one", "outcome"],
+        ["unlimited", "batches of 50", "claim"],
+        ["unlimited", "batches of 50", "outcome"],
+        ["concurrency_limit=100000", "one by one", "claim"],
+        ["concurrency_limit=100000", "one by one", "outcome"],
+    ]
+    for row in parts[1:]:
+        assert _number(row[3]) == 100 and _number(row[4]) > 0 and _number(row[5]) >= 0
+
+
+@pytest.mark.postgres
 @pytest.mark.timeout(300)
 def test_the_limits_benchmark_prints_its_tables(pg_url: str, redis_url: str) -> None:
     proc = _run(["bench_limits.py", "--quick"], REPO_ROOT / "benchmarks", pg_url, redis_url, 240)
