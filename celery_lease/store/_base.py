@@ -191,7 +191,8 @@ class StoreBase:
         #: Called after each commit with its transitions (logs, events, metrics, backends).
         self.listeners: list[Listener] = []
         #: Called after a commit that ended RUNNING rows of limited tasks, with their
-        #: (task name, concurrency key) pairs: the slots it freed. The app's runtime sets
+        #: (task name, concurrency key) pairs: the slots it freed (or that marked a row
+        #: waiting: a free it raced may be granted only then). The app's runtime sets
         #: it to grant those slots to waiting rows and publish them at once; unset, the
         #: reaper's sweep does it (see :mod:`celery_lease.store._slots`).
         self.on_slots_freed: Callable[[Sequence[tuple[str, str]]], None] | None = None
@@ -263,6 +264,13 @@ class StoreBase:
             hook(pairs)
         except Exception:
             logger.exception("celery-lease: granting freed concurrency slots failed")
+
+    def _note_grant_due(self, name: str, key: str) -> None:
+        """Grant (name, key) once the caller's transaction commits (a row marked
+        waiting: see :meth:`~celery_lease.store._slots.Slots.mark_waiting`)."""
+        freed: set[tuple[str, str]] | None = getattr(self._local, "freed", None)
+        if freed is not None:
+            freed.add((name, key))
 
     def _note_frees(self, rows: Iterable[Row[Any]]) -> None:
         """Rows that just left RUNNING (or WAIT_MANUAL): those of limited tasks freed a

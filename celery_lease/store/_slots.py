@@ -21,15 +21,17 @@ Taking one is serialized per (name, key) by the row of the ``concurrency`` table
   reaper's :meth:`Slots.take_waiting` as the backstop) locks it, counts, and marks the
   oldest waiting rows ``slot='granted'``, reserved for publishing.
 
-A free does not take the lock: it commits first, then grants. A claim that counted
-before that commit holds the lock until its "waiting" mark commits, so the grant that
-follows sees the mark; a claim that counts after it sees the slot free. A grant asks
-first, outside a transaction, whether the key has a row waiting (after taking and
-releasing the lock, for the same reason): a key with none, the usual case while a
-limit does not bind, costs that read instead of the grant's transaction. A row waiting
-is never in the broker and never polled: it is published when it is granted a slot.
-On SQLite every write transaction is serialized (``BEGIN IMMEDIATE``), which decides
-the same way.
+A free does not take the lock: it commits first, then grants. A grant asks first,
+outside a transaction, whether the key has a row waiting: a key with none, the usual
+case while a limit does not bind, costs that one read instead of the grant's
+transaction. A claim that counted the freed slot as used (before the free's commit)
+and marked its row waiting may commit that mark after the free's read: so a claim
+that marks a row waiting also grants once its mark is committed (the same hook a free
+runs). One of the two always sees the other: if the free's read (after the free's
+commit) misses the mark, the mark was committed after that read, so the claim's grant,
+after its mark, counts the slot free. A row waiting is never in the broker and never
+polled: it is published when it is granted a slot. On SQLite every write transaction
+is serialized (``BEGIN IMMEDIATE``), which decides the same way.
 """
 
 from __future__ import annotations
@@ -169,7 +171,9 @@ class Slots(StoreBase):
 
     def mark_waiting(self, conn: Connection, task_id: str, slot: Slot) -> bool:
         """The PENDING row ``task_id`` found no slot: it waits (its delivery is acked);
-        whether it was still PENDING."""
+        whether it was still PENDING. Once the mark is committed, the key is granted
+        (:attr:`on_slots_freed`): a slot freed after this claim counted, whose grant
+        read before the mark was committed, is given to it then."""
         t = self.t.tasks
         done = conn.execute(
             update(t)
@@ -181,6 +185,8 @@ class Slots(StoreBase):
                 updated_at=db_now(),
             )
         ).rowcount
+        if done:
+            self._note_grant_due(slot.name, slot.key)
         return bool(done)
 
     def grant(self, pairs: Sequence[tuple[str, str]]) -> list[Publishable]:
@@ -200,24 +206,17 @@ class Slots(StoreBase):
         return out
 
     def _has_waiting(self, name: str, key: str) -> bool:
-        """Whether (name, key) may have rows waiting, as a grant run now would count
-        them: the grant's first question, asked without a transaction. A claim that
-        counted the caller's slot as used (before the caller's free committed) marks
-        its row waiting under the key's lock; on PostgreSQL that lock is taken and
-        released first (a statement of its own, in autocommit), so the read that
-        follows sees that claim's mark, as the grant's own count would. On SQLite
-        every write transaction is serialized: such a claim committed before the free
-        began."""
+        """Whether (name, key) has rows waiting: the grant's first question, one read
+        (on PostgreSQL in autocommit). A mark it cannot see yet (committed after it)
+        is granted by the claim that made it (:meth:`mark_waiting`)."""
         params = {"b_slot_name": name, "b_slot_key": key}
         found = self._prepared("slot-waiting", self._has_waiting_statement)
-        if not self.is_pg:
-            return bool(self._read(lambda conn: conn.execute(found, params).scalar()))
-        lock = self._prepared("slot-wait-lock", self._wait_lock_statement)
 
-        def op(conn: Connection, _: bool) -> bool:
-            conn.execute(lock, params)
+        def op(conn: Connection, _: bool = False) -> bool:
             return bool(conn.execute(found, params).scalar())
 
+        if not self.is_pg:
+            return self._read(op)
         return self._tx(op, single=True)
 
     def _has_waiting_statement(self) -> Any:
@@ -230,17 +229,6 @@ class Slots(StoreBase):
                 *_queued(t, WAITING),
             )
             .exists()
-        )
-
-    def _wait_lock_statement(self) -> Any:
-        c = self.t.concurrency
-        return (
-            select(c.c.key)
-            .where(
-                c.c.name == bindparam("b_slot_name", type_=String),
-                c.c.key == bindparam("b_slot_key", type_=String),
-            )
-            .with_for_update()
         )
 
     def _grant(self, conn: Connection, name: str, key: str) -> list[Publishable]:

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 import pytest
 from celery import Celery
 from sqlalchemy import func, select, update
@@ -23,6 +24,9 @@ from celery_lease.reaper import Reaper
 from celery_lease.states import State
 from celery_lease.store import Claim, NewTask, Outcome, Refusal, Slot, Store
 from celery_lease.store.schema import after
+
+from ..conftest import _libpq_url
+from ..helpers import wait_until
 
 S = State
 NAME = "tests.report"
@@ -82,8 +86,8 @@ def running_under(store: Store, key: str) -> int:
 
 
 class Freed:
-    """Records the (name, key) pairs each commit freed (the runtime's hook, without a
-    broker: the test grants them itself)."""
+    """Records the (name, key) pairs each commit freed or marked a row waiting under
+    (the runtime's hook, without a broker: the test grants them itself)."""
 
     def __init__(self, store: Store) -> None:
         self.pairs: list[tuple[str, str]] = []
@@ -105,6 +109,11 @@ def test_a_full_key_makes_a_claim_wait_and_a_free_grants_the_oldest_waiting_row(
     fourth = store.claim(d, owner, "w", slot=slot)
     assert isinstance(third, Refusal) and third.waiting and third.state is S.PENDING
     assert isinstance(fourth, Refusal) and fourth.waiting
+    # each waiting mark, once committed, asks for a grant of its key (a slot freed
+    # between its count and its commit is given then): none is free
+    assert freed.pairs == [(NAME, "tenant=42")] * 2
+    assert store.grant(freed.pairs) == []
+    freed.pairs.clear()
     record = store.get(c)
     assert record is not None and record.state is S.PENDING
     assert record.reason == "waiting for a slot of tests.report[tenant=42] (limit 2)"
@@ -151,6 +160,9 @@ def test_retry_and_expiry_free_the_slot_only_when_the_row_leaves_running(store):
     first = store.claim(a, owner, "w", slot=slot)
     assert isinstance(first, Claim)
     assert isinstance(store.claim(b, owner, "w", slot=slot), Refusal)
+    assert freed.pairs == [(NAME, "")]  # the waiting mark's own grant (nothing free)
+    assert store.grant(freed.pairs) == []
+    freed.pairs.clear()
     # a retry ends the run: the slot is freed in the retry's transaction
     assert store.schedule_retry(first.lease, 0.0, actor="task", reason="retry", error=None)
     assert freed.pairs == [(NAME, "")]
@@ -502,3 +514,57 @@ def test_a_claim_marks_an_old_key_used(store):
     assert isinstance(second, Claim)
     assert store.finish(second.lease, S.SUCCEEDED, actor="task", reason="done")
     assert store.purge_idle_keys() == 0  # nothing uses it, but a claim did just now
+
+
+def _waiting_on_a_row_lock(store: Store) -> int:
+    """Sessions that hold a lock on this store's tasks table and wait for another."""
+    table = store.t.tasks.fullname
+    with psycopg.connect(_libpq_url(store.config.database_url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(DISTINCT w.pid) FROM pg_locks w JOIN pg_locks h ON h.pid = w.pid "
+            "WHERE NOT w.granted AND h.granted AND h.relation = %s::regclass",
+            (table,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_free_whose_read_missed_a_waiting_mark_is_granted_by_the_claim_that_made_it(store):
+    """The race between a free and a claim of its key, made to happen: the claim counts
+    the slot as used, the free commits and its grant reads before the claim's waiting
+    mark is committed (so it finds no row waiting), then the mark commits. The claim's
+    own grant, once its mark is committed, gives the row the slot."""
+    if not store.is_pg:
+        pytest.skip("SQLite serializes every write transaction: the two cannot overlap")
+    freed = Freed(store)
+    owner = register(store)
+    slot = Slot(NAME, "", 1)
+    a, b = submit(store, 2)
+    first = store.claim(a, owner, "w", slot=slot)
+    assert isinstance(first, Claim)
+    t = store.t.tasks
+    # hold row b: the claim counts (the key full), then waits to mark b waiting
+    holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
+    holder.execute(f"SELECT id FROM {t.fullname} WHERE id = %s FOR UPDATE", (b,))
+    got: list[Any] = []
+    claiming = threading.Thread(
+        target=lambda: got.append(store.claim(b, owner, "w", slot=slot)), daemon=True
+    )
+    try:
+        claiming.start()
+        wait_until(lambda: _waiting_on_a_row_lock(store) >= 1, message="the claim waits on b")
+        # the free commits, and its grant's read runs before the mark is committed
+        assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done")
+        assert freed.pairs == [(NAME, "")]
+        assert store.grant(freed.pairs) == []  # no row waiting, as far as it can see
+        freed.pairs.clear()
+    finally:
+        holder.rollback()
+        holder.close()
+    claiming.join(30)
+    assert not claiming.is_alive()
+    (refused,) = got
+    assert isinstance(refused, Refusal) and refused.waiting
+    # the mark, committed, asked for its key's grant: the slot the free left is its
+    assert freed.pairs == [(NAME, "")]
+    assert [p.id for p in store.grant(freed.pairs)] == [b]
+    assert isinstance(store.claim(b, owner, "w", slot=slot), Claim)

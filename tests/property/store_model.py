@@ -44,8 +44,9 @@ answer. After every rule the database must equal the model and these must hold:
   limit, as the model counts them and as the store's own ``slot_usage`` does; after a
   grant, and after the backstop, no row waits while its key has a slot free (unless
   its task is paused); ``lease check``'s ``waiting_with_free_slot`` reports only rows
-  the model says wait with a slot free; every commit that ended a run holding a slot
-  told ``on_slots_freed`` its (name, key);
+  the model says wait with a slot free; every commit that ended a run holding a slot,
+  and every commit that marked a row waiting, told ``on_slots_freed`` its (name, key),
+  and no other commit did;
 * a rate holds: the starts of each rate-limited key (its claims' ``started_at``, in
   database time) number at most ``k + 1`` in any ``k`` intervals, and the ``k``-th
   start after a key's first comes ``k`` intervals after it at least; each key's last
@@ -311,7 +312,8 @@ class StoreMachine(RuleBasedStateMachine):
         #: (name, key) pairs a limited claim locked (the store has a row for each).
         self.keys: set[tuple[str, str]] = set()
         #: The pairs the store told ``on_slots_freed`` since the last grant rule, and
-        #: those the model says it must have told (runs holding a slot that ended).
+        #: those the model says it must have told (runs holding a slot that ended, and
+        #: rows marked waiting).
         self.freed: set[tuple[str, str]] = set()
         self.expected_freed: set[tuple[str, str]] = set()
         self.store.on_slots_freed = self.freed.update
@@ -959,6 +961,9 @@ class StoreMachine(RuleBasedStateMachine):
         _note("limits: a claim found no slot, the row waits")
         task.slot, task.slot_key = WAITING, slot.key
         task.updated_at = self.now
+        # once committed, the mark asks for its key's grant (a free it raced, whose
+        # grant read before the mark, is given then)
+        self.expected_freed.add((slot.name, slot.key))
 
     @precondition(lambda self: self._live_workers())
     @rule(w=PICK, i=PICK, known=st.booleans(), spec=specs)
