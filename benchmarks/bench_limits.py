@@ -92,6 +92,14 @@ def _worker(store: Any) -> str:
     return worker_id
 
 
+def _published(store: Any, n: int) -> tuple[str, list[str]]:
+    """A worker registered, and ``n`` no-op rows submitted and published: (its id, theirs)."""
+    ids = [uuid.uuid4().hex for _ in range(n)]
+    store.submit_many([noop_row(i) for i in ids])
+    store.mark_published(ids)
+    return _worker(store), ids
+
+
 def lifecycle(ctx: Context, variant: str, limit: int | None, interval: float | None) -> dict:
     """Claim and finish N rows of one variant; figures per task."""
     from celery_lease.states import State
@@ -101,10 +109,7 @@ def lifecycle(ctx: Context, variant: str, limit: int | None, interval: float | N
     with pg_schema("limits_cost") as schema:
         store = _store(schema)
         try:
-            owner = _worker(store)
-            ids = [uuid.uuid4().hex for _ in range(n)]
-            store.submit_many([noop_row(i) for i in ids])
-            store.mark_published(ids)
+            owner, ids = _published(store, n)
             slot = None
             if limit is not None or interval is not None:
                 slot = Slot("bench.noop", "", limit or 0, interval)
@@ -138,10 +143,7 @@ def parts_round(variant: str, slot: Any, batched: bool, n: int) -> list[dict]:
     with pg_schema("limits_parts") as schema:
         store = _store(schema)
         try:
-            owner = _worker(store)
-            ids = [uuid.uuid4().hex for _ in range(n)]
-            store.submit_many([noop_row(i) for i in ids])
-            store.mark_published(ids)
+            owner, ids = _published(store, n)
             leases: list[Any] = []
 
             def claims() -> None:

@@ -266,8 +266,8 @@ class StoreBase:
             logger.exception("celery-lease: granting freed concurrency slots failed")
 
     def _note_grant_due(self, name: str, key: str) -> None:
-        """Grant (name, key) once the caller's transaction commits (a row marked
-        waiting: see :meth:`~celery_lease.store._slots.Slots.mark_waiting`)."""
+        """Grant (name, key) once the caller's transaction commits (a slot freed, or a
+        row marked waiting: see :meth:`~celery_lease.store._slots.Slots.mark_waiting`)."""
         freed: set[tuple[str, str]] | None = getattr(self._local, "freed", None)
         if freed is not None:
             freed.add((name, key))
@@ -276,13 +276,10 @@ class StoreBase:
         """Rows that just left RUNNING (or WAIT_MANUAL): those of limited tasks freed a
         slot each (the state change is the free, so it happens once, with the fenced
         write; a WAIT_MANUAL row held one only after an overrun, and the grant counts)."""
-        freed: set[tuple[str, str]] | None = getattr(self._local, "freed", None)
-        if freed is None:
-            return
         for row in rows:
             key = row._mapping.get("slot_key")
             if key is not None:
-                freed.add((str(row.name), str(key)))
+                self._note_grant_due(str(row.name), str(key))
 
     def _single_then(
         self,

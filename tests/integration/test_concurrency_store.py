@@ -152,13 +152,21 @@ def test_keys_are_independent_and_a_task_without_a_slot_is_not_counted(store):
     assert (running_under(store, "k=1"), running_under(store, "k=2")) == (1, 1)
 
 
-def test_retry_and_expiry_free_the_slot_only_when_the_row_leaves_running(store):
+def one_slot_taken(store: Store) -> tuple[Freed, str, Slot, Claim, str]:
+    """A limit of 1, taken by a row's claim, and a second row submitted: (the hook's
+    record, the owner, the slot, the first row's claim, the second row's id)."""
     freed = Freed(store)
     owner = register(store)
     slot = Slot(NAME, "", 1)
     a, b = submit(store, 2)
     first = store.claim(a, owner, "w", slot=slot)
     assert isinstance(first, Claim)
+    return freed, owner, slot, first, b
+
+
+def test_retry_and_expiry_free_the_slot_only_when_the_row_leaves_running(store):
+    freed, owner, slot, first, b = one_slot_taken(store)
+    a = first.lease.task_id
     assert isinstance(store.claim(b, owner, "w", slot=slot), Refusal)
     assert freed.pairs == [(NAME, "")]  # the waiting mark's own grant (nothing free)
     assert store.grant(freed.pairs) == []
@@ -535,12 +543,7 @@ def test_a_free_whose_read_missed_a_waiting_mark_is_granted_by_the_claim_that_ma
     own grant, once its mark is committed, gives the row the slot."""
     if not store.is_pg:
         pytest.skip("SQLite serializes every write transaction: the two cannot overlap")
-    freed = Freed(store)
-    owner = register(store)
-    slot = Slot(NAME, "", 1)
-    a, b = submit(store, 2)
-    first = store.claim(a, owner, "w", slot=slot)
-    assert isinstance(first, Claim)
+    freed, owner, slot, first, b = one_slot_taken(store)
     t = store.t.tasks
     # hold row b: the claim counts (the key full), then waits to mark b waiting
     holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
