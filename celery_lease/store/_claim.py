@@ -148,7 +148,11 @@ class Claims(Slots):
 
         def fast(conn: Connection, _: bool) -> Claim | Refusal | None:
             # the claim, its audit row and, when it fails, the row's state: one statement
-            stmt = self._prepared("claim-pg", self._claim_pg)
+            # (a limited claim: with the key's lock; see _claim_slot_pg)
+            if slot is None:
+                stmt = self._prepared("claim-pg", self._claim_pg)
+            else:
+                stmt = self._prepared("claim-slot-pg", self._claim_slot_pg)
             row = conn.execute(stmt, {**params, "b_reason": reason, "b_actor": actor}).first()
             if row is None:
                 return None  # no row: adopt it, or refuse, in a transaction
@@ -161,7 +165,9 @@ class Claims(Slots):
                 return claimed(row, False)
             if row.state == State.PENDING.value or row.token == token:
                 # not due yet, or a claim that raced this one (the snapshot predates it),
-                # or our own first try whose answer was lost: decided in a transaction
+                # or our own first try whose answer was lost, or (a limited claim) no slot
+                # free or another take of the key since the snapshot: decided in a
+                # transaction
                 return None
             state = State(row.state)
             return Refusal(task_id, state, f"task is {state}")
@@ -233,7 +239,7 @@ class Claims(Slots):
                 self._record_start(conn, slot, reserved)
             return claimed(rows[0], adopted)
 
-        if not self.is_pg or slot is not None:
+        if not self.is_pg or (slot is not None and (slot.interval is not None or slot.limit <= 0)):
             return self._tx(op)
         return self._single_then(fast, op)
 
@@ -452,14 +458,23 @@ class Claims(Slots):
         return Refusal(task_id, State.PENDING, why, paced=True, held=hold)
 
     def _claim_pg(self) -> Any:
+        return self._claim_one_pg(*self._claim_spec())
+
+    def _claim_one_pg(
+        self,
+        where: list[ColumnElement[bool]],
+        values: dict[str, Any],
+        returning: tuple[Any, ...],
+        *ctes: Any,
+    ) -> Any:
+        """PostgreSQL: a claim and its audit row in one statement (``ctes``: what its
+        ``where`` also reads). One row per existing task: the claim's answer, or (claim
+        refused) the state the statement's snapshot saw; no row when the task has none."""
         t = self.t.tasks
-        where, values, returning = self._claim_spec()
         update_stmt = self._move_update(where, State.PENDING, State.RUNNING, values, returning)
         moved, audit = self._move_ctes(update_stmt, State.PENDING, State.RUNNING)
         row = t.alias("row")
-        # one row per existing task: the claim's answer, or (claim refused) the state the
-        # statement's snapshot saw; no row when the task has none
-        return (
+        stmt = (
             select(
                 moved.c.attempt,
                 moved.c.name,
@@ -471,8 +486,33 @@ class Claims(Slots):
             )
             .select_from(row.outerjoin(moved, true()))
             .where(row.c.id == bindparam("b_task_id", type_=t.c.id.type))
-            .add_cte(audit)
         )
+        for cte in ctes:
+            stmt = stmt.add_cte(cte)
+        return stmt.add_cte(audit)
+
+    def _claim_slot_pg(self) -> Any:
+        """PostgreSQL: a limited claim (concurrency limit, no rate) in one statement.
+
+        A statement reads one snapshot, taken before it waits for the key's lock, so
+        its count of the slots in use may miss a take committed while it waited. The
+        key's ``takes`` tells: every claim and grant of the key adds one to it under
+        the lock (:meth:`lock_slot`, :meth:`_grant`). The statement takes the lock with
+        that upsert, which returns the newest count (after the wait), and moves the row
+        only if that is one more than the count of its own snapshot: no other take
+        committed between the snapshot and the lock, so the slots it counted are the
+        slots in use. A free committed meanwhile only makes the count one too high,
+        which can refuse a claim, never let one through. Any other answer (another
+        take, the key full, the row not due, no row) is decided by the transaction of
+        :meth:`claim`, as before."""
+        c = self.t.concurrency
+        lock = self._lock_slot_statement().returning(c.c.takes).cte("slot_lock")
+        name = bindparam("b_slot_name", type_=String)
+        key = bindparam("b_slot_key", type_=String)
+        seen = select(c.c.takes).where(c.c.name == name, c.c.key == key).scalar_subquery()
+        alone = select(lock.c.takes).scalar_subquery() == seen + 1
+        where, values, returning = self._claim_slot_spec()
+        return self._claim_one_pg([*where, alone], values, returning, lock)
 
     def _adopt(self, conn: Connection, new: NewTask) -> None:
         t = self.t.tasks

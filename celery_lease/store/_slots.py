@@ -21,6 +21,13 @@ Taking one is serialized per (name, key) by the row of the ``concurrency`` table
   reaper's :meth:`Slots.take_waiting` as the backstop) locks it, counts, and marks the
   oldest waiting rows ``slot='granted'``, reserved for publishing.
 
+Both add one to the key's ``takes`` under the lock. On PostgreSQL a claim tries first
+to do it all in one statement (lock, count, move, audit row): its count reads the
+statement's snapshot, taken before it waited for the lock, so it moves the row only
+if the ``takes`` its lock returns is one more than its snapshot's, that is, if no
+other claim or grant of the key committed in between; otherwise (or when the key is
+full, or the row not due) the transaction above decides.
+
 A free does not take the lock: it commits first, then grants. A grant asks first,
 outside a transaction, whether the key has a row waiting: a key with none, the usual
 case while a limit does not bind, costs that one read instead of the grant's
@@ -63,8 +70,6 @@ from ._base import StoreBase, state_is
 from ._types import Publishable, Slot, SlotUsage, Waiting
 from .schema import after, db_now, seconds_between
 
-#: A key's row is marked used by a claim at most this often (seconds).
-KEY_TOUCH_EVERY = 60.0
 #: A key's row unused for this long, and used by no row, is deleted (seconds).
 KEY_IDLE_FOR = 3600.0
 
@@ -149,16 +154,18 @@ class Slots(StoreBase):
             key=bindparam("b_slot_key", type_=String),
             max_slots=bindparam("b_limit", type_=Integer),
             updated_at=db_now(),
+            takes=1,
         )
-        # a conflict locks the row even when nothing is written: it is written when the
-        # limit changed, or to mark the key used, at most every KEY_TOUCH_EVERY seconds
+        # the lock: the key's row written, with the limit the caller's code gives, the
+        # key marked used, and one more take (a claim in one statement that sees the
+        # count move between its snapshot and its lock leaves the decision to this)
         return stmt.on_conflict_do_update(
             index_elements=[c.c.name, c.c.key],
-            set_={"max_slots": stmt.excluded.max_slots, "updated_at": db_now()},
-            where=or_(
-                c.c.max_slots != stmt.excluded.max_slots,
-                c.c.updated_at < after(db_now(), -KEY_TOUCH_EVERY),
-            ),
+            set_={
+                "max_slots": stmt.excluded.max_slots,
+                "updated_at": db_now(),
+                "takes": c.c.takes + 1,
+            },
         )
 
     def lock_slot(self, conn: Connection, slot: Slot) -> None:
@@ -265,7 +272,11 @@ class Slots(StoreBase):
             )
             .returning(t.c.id, *self._publishable_columns())
         ).all()
-        conn.execute(update(c).where(c.c.name == name, c.c.key == key).values(served_at=db_now()))
+        conn.execute(
+            update(c)
+            .where(c.c.name == name, c.c.key == key)
+            .values(served_at=db_now(), takes=c.c.takes + 1)
+        )
         return self._publishable(rows)
 
     def _not_paused(self) -> ColumnElement[bool]:
@@ -299,12 +310,12 @@ class Slots(StoreBase):
 
     def purge_idle_keys(self, *, limit: int | None = None) -> int:
         """Delete one batch of ``concurrency`` rows that nothing uses: no claim of the
-        key for :data:`KEY_IDLE_FOR` seconds (a claim marks it used every
-        :data:`KEY_TOUCH_EVERY`), no row of the key RUNNING, waiting, granted, paced or
-        overrun, and its next start (a rate limit) past. Nothing is lost with them: the
-        next claim of the key records its code's limit again, and a next start that
-        has passed means "now". Keys of one tenant each would otherwise add a row per
-        tenant ever seen. How many were deleted.
+        key for :data:`KEY_IDLE_FOR` seconds (every claim marks it used), no row of the
+        key RUNNING, waiting, granted, paced or overrun, and its next start (a rate
+        limit) past. Nothing is lost with them: the next claim of the key records its
+        code's limit again, and a next start that has passed means "now". Keys of one
+        tenant each would otherwise add a row per tenant ever seen. How many were
+        deleted.
 
         Candidates are read, then locked (PostgreSQL: ``FOR UPDATE SKIP LOCKED``; a
         claim, a grant or a pacing of the key takes the same lock), then checked again

@@ -193,6 +193,10 @@ def _last_start(conn: Connection, tables: Tables) -> None:
     _add_column(conn, tables.concurrency, "last_start_at")
 
 
+def _takes(conn: Connection, tables: Tables) -> None:
+    _add_column(conn, tables.concurrency, "takes")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "lease tables: tasks, transitions, steps, workers, locks", _baseline),
     Migration(2, "retention: index on finished_at of finished rows; counters", _retention),
@@ -248,6 +252,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         "global rate limits: concurrency.last_start_at, the last start taken; a paced row "
         "late for its start takes it when none was taken within an interval",
         _last_start,
+    ),
+    Migration(
+        16,
+        "concurrency limits: concurrency.takes, the slots ever taken under a key; a claim "
+        "that no other took a slot before its lock is one statement",
+        _takes,
     ),
 )
 

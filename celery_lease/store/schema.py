@@ -180,7 +180,7 @@ def _greatest_sqlite(element: greatest, compiler: SQLCompiler, **kw: Any) -> str
 # -- the tables -----------------------------------------------------------------------------
 
 #: The schema version these definitions describe; migrations bring a database here.
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 #: PostgreSQL's fillfactor of the tasks table (schema version 9): part of each page is
 #: left free when rows are inserted, so that the updates of a task's lifecycle (the
@@ -525,6 +525,10 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         # global_rate_limit: the last start taken (schema version 15); a paced row late
         # for its reserved start takes it only when none was taken within an interval
         Column("last_start_at", DbTime()),
+        # the slots ever taken under the key (schema version 16): every claim and grant
+        # adds one under the lock, so a claim made in one statement can tell whether
+        # another took a slot between its snapshot and its lock (see store._slots)
+        Column("takes", BigInteger, nullable=False, server_default=text("0")),
     )
     schedules, beats = _schedule_tables(md, prefix)
     return Tables(

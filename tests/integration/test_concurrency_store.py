@@ -571,3 +571,47 @@ def test_a_free_whose_read_missed_a_waiting_mark_is_granted_by_the_claim_that_ma
     assert freed.pairs == [(NAME, "")]
     assert [p.id for p in store.grant(freed.pairs)] == [b]
     assert isinstance(store.claim(b, owner, "w", slot=slot), Claim)
+
+
+def test_a_claim_in_one_statement_counts_again_after_a_take_it_waited_for(store):
+    """PostgreSQL claims a limited row in one statement, whose count of the slots in use
+    reads a snapshot taken before it waits for the key's lock. Made to happen: claim A
+    holds the key's lock and waits (its row held by another session); claim B, limit 1,
+    takes its snapshot and waits for the lock; A commits its take. B's snapshot saw the
+    key empty: the key's count of takes, moved since that snapshot, sends B to the
+    transaction, which counts A's slot and makes B wait."""
+    if not store.is_pg:
+        pytest.skip("SQLite claims a limited row in a transaction that takes the lock first")
+    freed = Freed(store)
+    owner = register(store)
+    slot = Slot(NAME, "", 1)
+    earlier, a, b = submit(store, 3)
+    # the key's row is there before either snapshot: its count of takes is compared
+    done = store.claim(earlier, owner, "w", slot=slot)
+    assert isinstance(done, Claim)
+    assert store.finish(done.lease, S.SUCCEEDED, actor="task", reason="done")
+    t = store.t.tasks
+    holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
+    holder.execute(f"SELECT id FROM {t.fullname} WHERE id = %s FOR UPDATE", (a,))
+    got: dict[str, Any] = {}
+
+    def claim(task_id: str) -> None:
+        got[task_id] = store.claim(task_id, owner, "w", slot=slot)
+
+    claims = [threading.Thread(target=claim, args=(i,), daemon=True) for i in (a, b)]
+    try:
+        claims[0].start()
+        wait_until(lambda: _waiting_on_a_row_lock(store) >= 1, message="A waits on its row")
+        claims[1].start()
+        wait_until(lambda: _waiting_on_a_row_lock(store) >= 2, message="B waits on A's lock")
+    finally:
+        holder.rollback()
+        holder.close()
+    for thread in claims:
+        thread.join(30)
+        assert not thread.is_alive()
+    assert isinstance(got[a], Claim)
+    assert isinstance(got[b], Refusal) and got[b].waiting
+    assert running_under(store, "") == 1
+    assert store.finish(got[a].lease, S.SUCCEEDED, actor="task", reason="done")
+    assert [p.id for p in store.grant(freed.pairs)] == [b]

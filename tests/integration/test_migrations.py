@@ -360,7 +360,9 @@ def test_a_version_13_database_gains_the_rate_column_and_keeps_its_rows_and_slot
     t = store.t
     with store.engine.begin() as conn:  # the database as schema version 13 left it
         table = store.engine.dialect.identifier_preparer.format_table(t.concurrency)
-        # (and the column version 15 added after it: a migration adds a column last)
+        # (and the columns versions 15 and 16 added after it: a migration adds a column
+        # last)
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN takes")
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN last_start_at")
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN next_start_at")
         conn.execute(t.version.delete().where(t.version.c.version > 13))
@@ -418,6 +420,7 @@ def test_a_version_14_database_gains_the_last_start_and_keeps_its_rows_slots_and
         paced_eta = conn.execute(select(t.tasks.c.eta).where(t.tasks.c.id == "paced")).scalar()
     with store.engine.begin() as conn:  # the database as schema version 14 left it
         table = store.engine.dialect.identifier_preparer.format_table(c)
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN takes")  # (version 16's)
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN last_start_at")
         conn.execute(t.version.delete().where(t.version.c.version > 14))
     assert store.schema_version() == 14
@@ -453,6 +456,61 @@ def test_a_version_14_database_gains_the_last_start_and_keeps_its_rows_slots_and
             next_start
         )
     assert last is not None  # its start is recorded
+
+
+def test_a_version_15_database_gains_the_count_of_takes_and_keeps_its_slots(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    owner = uuid.uuid4().hex
+    store.register_worker(owner, "w@host", "host", 1)
+
+    def task(task_id: str) -> NewTask:
+        return NewTask(
+            id=task_id, name="t", args="[]", kwargs="{}", options=None, lease_ttl=30,
+            max_recoveries=5,
+        )  # fmt: skip
+
+    ids = ("pending", "running", "waiting", "done", "manual")
+    for task_id in ids:
+        store.submit(task(task_id))
+    store.mark_published(list(ids))
+    slot = Slot("t", "k", 1)
+    running = store.claim("running", owner, "w", slot=slot)
+    assert isinstance(running, Claim)
+    assert isinstance(store.claim("waiting", owner, "w", slot=slot), Refusal)
+    done = store.claim("done", owner, "w")
+    assert isinstance(done, Claim)
+    assert store.finish(done.lease, State.SUCCEEDED, actor="t", reason="ok")
+    manual = store.claim("manual", owner, "w")
+    assert isinstance(manual, Claim)
+    assert store.finish(manual.lease, State.WAIT_MANUAL, actor="t", reason="look")
+    before = {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)}
+    t = store.t
+    c = t.concurrency
+    with store.engine.begin() as conn:  # the database as schema version 15 left it
+        table = store.engine.dialect.identifier_preparer.format_table(c)
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN takes")
+        conn.execute(t.version.delete().where(t.version.c.version > 15))
+    assert store.schema_version() == 15
+
+    assert store.migrate() == (15, SCHEMA_VERSION)
+    assert schema_snapshot(store.engine, store.config.schema) == full
+    assert {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)} == before
+    with store.engine.connect() as conn:
+        assert conn.execute(select(c.c.key, c.c.takes)).all() == [("k", 0)]
+    # the slot taken before the migration still counts; the waiting row still waits
+    (usage,) = store.slot_usage()
+    assert (usage.key, usage.limit, usage.running, usage.waiting) == ("k", 1, 1, 1)
+    assert store.finish(running.lease, State.SUCCEEDED, actor="t", reason="ok")
+    assert [p.id for p in store.grant([("t", "k")])] == ["waiting"]
+    # the key counts its takes from the migration on: the grant's, then the claim's
+    with store.engine.connect() as conn:
+        takes = conn.execute(select(c.c.takes)).scalar_one()
+    assert takes > 0
+    assert isinstance(store.claim("waiting", owner, "w", slot=slot), Claim)
+    with store.engine.connect() as conn:
+        assert conn.execute(select(c.c.takes)).scalar_one() == takes + 1
 
 
 def test_a_version_11_database_gains_the_revision_column_and_keeps_its_rows(make_store):
