@@ -113,12 +113,15 @@ def lifecycle(ctx: Context, variant: str, limit: int | None, interval: float | N
             slot = None
             if limit is not None or interval is not None:
                 slot = Slot("bench.noop", "", limit or 0, interval)
+            holds = bool(limit)  # as a worker says: the run holds a slot
             db = pg_backends()
             d0, c0, t0 = proc_cpu_each(db), time.process_time(), time.monotonic()
             for task_id in ids:
                 claim = store.claim(task_id, owner, "bench", slot=slot)
                 assert isinstance(claim, Claim), claim
-                assert store.finish(claim.lease, State.SUCCEEDED, actor="bench", reason="ok")
+                assert store.finish(
+                    claim.lease, State.SUCCEEDED, actor="bench", reason="ok", holds_slot=holds
+                )
             wall, cpu = time.monotonic() - t0, time.process_time() - c0
             pg = proc_cpu_since(d0, pg_backends())
         finally:
@@ -159,8 +162,11 @@ def parts_round(variant: str, slot: Any, batched: bool, n: int) -> list[dict]:
 
             def outcomes() -> None:
                 if not batched:
+                    holds = slot is not None and slot.limit > 0  # as a worker says
                     for lease in leases:
-                        assert store.finish(lease, State.SUCCEEDED, actor="bench", reason="ok")
+                        assert store.finish(
+                            lease, State.SUCCEEDED, actor="bench", reason="ok", holds_slot=holds
+                        )
                     return
                 for k in range(0, n, 50):
                     batch = [Outcome(x, State.SUCCEEDED, "ok") for x in leases[k : k + 50]]
@@ -294,7 +300,9 @@ def at_scale(ctx: Context) -> dict:
             for n in range(probes):
                 lease = leases[n % keys].pop(0)
                 t0 = time.perf_counter()
-                assert store.finish(lease, State.SUCCEEDED, actor="bench", reason="ok")
+                assert store.finish(
+                    lease, State.SUCCEEDED, actor="bench", reason="ok", holds_slot=True
+                )
                 frees.append(time.perf_counter() - t0)
 
             # the plans: a key's slots counted, its waiting rows read in order

@@ -496,8 +496,8 @@ class Claims(Slots):
 
         A statement reads one snapshot, taken before it waits for the key's lock, so
         its count of the slots in use may miss a take committed while it waited. The
-        key's ``takes`` tells: every claim and grant of the key adds one to it under
-        the lock (:meth:`lock_slot`, :meth:`_grant`). The statement takes the lock with
+        key's ``changes`` tells: every claim, grant and waiting mark of the key adds one
+        to it under the lock (:meth:`lock_slot`, :meth:`_grant`). The statement takes the lock with
         that upsert, which returns the newest count (after the wait), and moves the row
         only if that is one more than the count of its own snapshot: no other take
         committed between the snapshot and the lock, so the slots it counted are the
@@ -506,11 +506,11 @@ class Claims(Slots):
         take, the key full, the row not due, no row) is decided by the transaction of
         :meth:`claim`, as before."""
         c = self.t.concurrency
-        lock = self._lock_slot_statement().returning(c.c.takes).cte("slot_lock")
+        lock = self._lock_slot_statement().returning(c.c.changes).cte("slot_lock")
         name = bindparam("b_slot_name", type_=String)
         key = bindparam("b_slot_key", type_=String)
-        seen = select(c.c.takes).where(c.c.name == name, c.c.key == key).scalar_subquery()
-        alone = select(lock.c.takes).scalar_subquery() == seen + 1
+        seen = select(c.c.changes).where(c.c.name == name, c.c.key == key).scalar_subquery()
+        alone = select(lock.c.changes).scalar_subquery() == seen + 1
         where, values, returning = self._claim_slot_spec()
         return self._claim_one_pg([*where, alone], values, returning, lock)
 

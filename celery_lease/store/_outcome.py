@@ -45,7 +45,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from .. import states
 from ..exceptions import IllegalTransition
 from ..states import Actor, State
-from ._base import StoreBase, state_is
+from ._base import state_is
+from ._slots import Slots
 from ._types import Lease, Outcome, TransitionEvent
 from .schema import after, db_now
 
@@ -91,7 +92,7 @@ def _running_as(t: Any, v: Any) -> list[Any]:
 BATCHED = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
 
 
-class Outcomes(StoreBase):
+class Outcomes(Slots):
     """Outcomes and retries, one or many; follow-ups marked sent."""
 
     # -- one outcome, one retry ------------------------------------------------------------
@@ -106,13 +107,19 @@ class Outcomes(StoreBase):
         result: str | None = None,
         error: str | None = None,
         follow_ups: bool = False,
+        holds_slot: bool = False,
     ) -> bool:
         """The execution's own outcome (SUCCEEDED, FAILED, CANCELLED, WAIT_MANUAL),
         fenced by attempt and token. ``False``: the lease was lost; nothing was written.
 
         ``follow_ups``: the success sends follow-ups (chain, ``link`` callbacks, chord
         part-return), recorded with it (``follow_ups_at``) until :meth:`follow_ups_sent`
-        says they are published; the reaper publishes them if that never comes."""
+        says they are published; the reaper publishes them if that never comes.
+
+        ``holds_slot``: the run's claim took a concurrency slot. On PostgreSQL the
+        outcome then also tells, in its statement, whether its free needs a grant
+        (see :meth:`~celery_lease.store._slots.Slots._free_pg`); without it the free
+        is granted after the commit, which is always correct, one read dearer."""
         t = self.t.tasks
         params = {
             "b_task_id": lease.task_id,
@@ -139,7 +146,27 @@ class Outcomes(StoreBase):
                 )
             )
 
+        def freeing_statement() -> Any:
+            where, values, returning = self._finish_spec(follow_ups)
+            stmt = self._move_update(where, State.RUNNING, to, values, returning)
+            return self._free_pg(stmt, State.RUNNING, to)
+
+        def freeing(conn: Connection) -> bool:
+            stmt = self._prepared(("finish-slot", to, follow_ups), freeing_statement)
+            rows = conn.execute(stmt, {**params, "b_reason": reason, "b_actor": actor}).all()
+            for row in rows:
+                if row.slot_key is not None and (row.waiting or not row.settled):
+                    self._note_grant_due(str(row.name), str(row.slot_key))
+                self._record_event(
+                    TransitionEvent(
+                        row.id, row.name, State.RUNNING, to, reason, actor, int(row.attempt)
+                    )
+                )
+            return bool(rows)
+
         def fast(conn: Connection, _: bool) -> bool | None:
+            if holds_slot and self.is_pg:
+                return True if freeing(conn) else None
             return True if move(conn, State.RUNNING) else None
 
         def op(conn: Connection, is_retry: bool) -> bool:

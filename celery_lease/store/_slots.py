@@ -21,12 +21,13 @@ Taking one is serialized per (name, key) by the row of the ``concurrency`` table
   reaper's :meth:`Slots.take_waiting` as the backstop) locks it, counts, and marks the
   oldest waiting rows ``slot='granted'``, reserved for publishing.
 
-Both add one to the key's ``takes`` under the lock. On PostgreSQL a claim tries first
-to do it all in one statement (lock, count, move, audit row): its count reads the
-statement's snapshot, taken before it waited for the lock, so it moves the row only
-if the ``takes`` its lock returns is one more than its snapshot's, that is, if no
-other claim or grant of the key committed in between; otherwise (or when the key is
-full, or the row not due) the transaction above decides.
+Both add one to the key's ``changes`` under the lock (a claim's waiting mark is made
+in its transaction, so it counts too). On PostgreSQL a claim tries first to do it all
+in one statement (lock, count, move, audit row): its count reads the statement's
+snapshot, taken before it waited for the lock, so it moves the row only if the
+``changes`` its lock returns is one more than its snapshot's, that is, if no other
+claim or grant of the key committed in between; otherwise (or when the key is full,
+or the row not due) the transaction above decides.
 
 A free does not take the lock: it commits first, then grants. A grant asks first,
 outside a transaction, whether the key has a row waiting: a key with none, the usual
@@ -39,6 +40,11 @@ commit) misses the mark, the mark was committed after that read, so the claim's 
 after its mark, counts the slot free. A row waiting is never in the broker and never
 polled: it is published when it is granted a slot. On SQLite every write transaction
 is serialized (``BEGIN IMMEDIATE``), which decides the same way.
+
+On PostgreSQL the outcome of a run that says it holds a slot (the worker's) does that
+read in its own statement instead, and takes the key's lock there (see
+:meth:`Slots._free_pg`): when the key's ``changes`` did not move between its snapshot
+and its lock and no row waits, it asks for no grant at all.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.dml import Insert, ReturningUpdate
 
 from ..states import State
 from ._base import StoreBase, state_is
@@ -154,7 +160,7 @@ class Slots(StoreBase):
             key=bindparam("b_slot_key", type_=String),
             max_slots=bindparam("b_limit", type_=Integer),
             updated_at=db_now(),
-            takes=1,
+            changes=1,
         )
         # the lock: the key's row written, with the limit the caller's code gives, the
         # key marked used, and one more take (a claim in one statement that sees the
@@ -164,7 +170,7 @@ class Slots(StoreBase):
             set_={
                 "max_slots": stmt.excluded.max_slots,
                 "updated_at": db_now(),
-                "takes": c.c.takes + 1,
+                "changes": c.c.changes + 1,
             },
         )
 
@@ -174,6 +180,41 @@ class Slots(StoreBase):
         conn.execute(
             self._prepared("slot-lock", self._lock_slot_statement),
             {"b_slot_name": slot.name, "b_slot_key": slot.key, "b_limit": slot.limit},
+        )
+
+    def _free_pg(self, stmt: ReturningUpdate[Any], frm: State, to: State) -> Any:
+        """PostgreSQL: the move ``stmt`` of a row that holds a slot, its audit row, and
+        whether its free needs a grant, in one statement (a row per row moved, with
+        ``settled`` and ``waiting``).
+
+        A free's grant must read the waiting rows after the free's commit: a claim that
+        counted the slot as used may mark a row waiting meanwhile (see the module's
+        notes). This statement reads them in its own snapshot instead, and takes the
+        key's lock (``FOR UPDATE``, which returns the key's newest row after any wait):
+        if the key's ``changes`` there equal its snapshot's (``settled``), no claim or
+        grant of the key committed between the snapshot and the lock, and none can
+        until this commits, so a row marked waiting after it is marked by a claim that
+        counts this free. So a free that is ``settled`` and sees no row ``waiting``
+        needs no grant; any other is granted after its commit, as before."""
+        t, c = self.t.tasks, self.t.concurrency
+        moved, audit = self._move_ctes(stmt, frm, to)
+        of_key = (c.c.name == moved.c.name, c.c.key == moved.c.slot_key)
+        locked = select(c.c.changes).where(*of_key).with_for_update(of=c).cte("slot_lock")
+        seen = select(c.c.changes).where(*of_key).scalar_subquery()
+        waiting = (
+            select(t.c.id)
+            .where(t.c.name == moved.c.name, t.c.slot_key == moved.c.slot_key)
+            .where(*_queued(t, WAITING))
+            .exists()
+        )
+        return (
+            select(
+                moved,
+                (select(locked.c.changes).scalar_subquery() == seen).label("settled"),
+                waiting.label("waiting"),
+            )
+            .add_cte(locked)
+            .add_cte(audit)
         )
 
     def mark_waiting(self, conn: Connection, task_id: str, slot: Slot) -> bool:
@@ -275,7 +316,7 @@ class Slots(StoreBase):
         conn.execute(
             update(c)
             .where(c.c.name == name, c.c.key == key)
-            .values(served_at=db_now(), takes=c.c.takes + 1)
+            .values(served_at=db_now(), changes=c.c.changes + 1)
         )
         return self._publishable(rows)
 

@@ -193,8 +193,8 @@ def _last_start(conn: Connection, tables: Tables) -> None:
     _add_column(conn, tables.concurrency, "last_start_at")
 
 
-def _takes(conn: Connection, tables: Tables) -> None:
-    _add_column(conn, tables.concurrency, "takes")
+def _changes(conn: Connection, tables: Tables) -> None:
+    _add_column(conn, tables.concurrency, "changes")
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -255,9 +255,10 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         16,
-        "concurrency limits: concurrency.takes, the slots ever taken under a key; a claim "
-        "that no other took a slot before its lock is one statement",
-        _takes,
+        "concurrency limits: concurrency.changes, the claims, grants and waiting marks of "
+        "a key; a claim or a free that no other change preceded under the lock is one "
+        "statement",
+        _changes,
     ),
 )
 

@@ -525,10 +525,11 @@ def build(prefix: str = "lease_", schema: str | None = None, origin: str | None 
         # global_rate_limit: the last start taken (schema version 15); a paced row late
         # for its reserved start takes it only when none was taken within an interval
         Column("last_start_at", DbTime()),
-        # the slots ever taken under the key (schema version 16): every claim and grant
-        # adds one under the lock, so a claim made in one statement can tell whether
-        # another took a slot between its snapshot and its lock (see store._slots)
-        Column("takes", BigInteger, nullable=False, server_default=text("0")),
+        # the key's changes (schema version 16): every claim, grant and waiting mark of
+        # the key adds one under its lock, so a claim or a free made in one statement
+        # can tell whether another changed the key between its snapshot and its lock
+        # (see store._slots)
+        Column("changes", BigInteger, nullable=False, server_default=text("0")),
     )
     schedules, beats = _schedule_tables(md, prefix)
     return Tables(

@@ -578,7 +578,7 @@ def test_a_claim_in_one_statement_counts_again_after_a_take_it_waited_for(store)
     reads a snapshot taken before it waits for the key's lock. Made to happen: claim A
     holds the key's lock and waits (its row held by another session); claim B, limit 1,
     takes its snapshot and waits for the lock; A commits its take. B's snapshot saw the
-    key empty: the key's count of takes, moved since that snapshot, sends B to the
+    key empty: the key's count of changes, moved since that snapshot, sends B to the
     transaction, which counts A's slot and makes B wait."""
     if not store.is_pg:
         pytest.skip("SQLite claims a limited row in a transaction that takes the lock first")
@@ -586,7 +586,7 @@ def test_a_claim_in_one_statement_counts_again_after_a_take_it_waited_for(store)
     owner = register(store)
     slot = Slot(NAME, "", 1)
     earlier, a, b = submit(store, 3)
-    # the key's row is there before either snapshot: its count of takes is compared
+    # the key's row is there before either snapshot: its count of changes is compared
     done = store.claim(earlier, owner, "w", slot=slot)
     assert isinstance(done, Claim)
     assert store.finish(done.lease, S.SUCCEEDED, actor="task", reason="done")
@@ -615,3 +615,70 @@ def test_a_claim_in_one_statement_counts_again_after_a_take_it_waited_for(store)
     assert running_under(store, "") == 1
     assert store.finish(got[a].lease, S.SUCCEEDED, actor="task", reason="done")
     assert [p.id for p in store.grant(freed.pairs)] == [b]
+
+
+def test_a_free_that_reads_no_row_waiting_in_its_statement_is_granted_when_a_mark_came_first(
+    store,
+):
+    """PostgreSQL writes the outcome of a run holding a slot with, in the same
+    statement, its own read of the key's waiting rows, and asks for no grant when none
+    waits. Made to happen: the free's statement takes its snapshot and waits (its row
+    held by another session); a claim of the key, full, marks its row waiting and
+    commits, and its own grant counts the slot still used; the free commits. Its
+    snapshot saw no row waiting, but the key's count of changes moved between that
+    snapshot and the free's lock, so the free asks for the grant, which gives the slot
+    to the waiting row."""
+    if not store.is_pg:
+        pytest.skip("SQLite grants every free after its commit")
+    freed, owner, slot, first, b = one_slot_taken(store)
+    t = store.t.tasks
+    holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
+    holder.execute(f"SELECT id FROM {t.fullname} WHERE id = %s FOR UPDATE", (first.lease.task_id,))
+    got: list[bool] = []
+
+    def finish() -> None:
+        got.append(
+            store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done", holds_slot=True)
+        )
+
+    freeing = threading.Thread(target=finish, daemon=True)
+    try:
+        freeing.start()
+        wait_until(lambda: _waiting_on_a_row_lock(store) >= 1, message="the free waits")
+        # the claim finds the key full (the free is not committed), marks b waiting, and
+        # its grant, after its commit, still counts the slot as used
+        refused = store.claim(b, owner, "w", slot=slot)
+        assert isinstance(refused, Refusal) and refused.waiting
+        assert freed.pairs == [(NAME, "")]
+        assert store.grant(freed.pairs) == []
+        freed.pairs.clear()
+    finally:
+        holder.rollback()
+        holder.close()
+    freeing.join(30)
+    assert not freeing.is_alive()
+    assert got == [True]
+    assert freed.pairs == [(NAME, "")]  # the free asked for its key's grant
+    assert [p.id for p in store.grant(freed.pairs)] == [b]
+
+
+def test_a_free_that_no_row_waits_for_asks_for_no_grant(store):
+    """The common case while a limit does not bind: the outcome of a run holding a slot,
+    with no row waiting for its key, costs no grant (on PostgreSQL not even the
+    grant's read); with a row waiting it asks for the grant."""
+    freed = Freed(store)
+    owner = register(store)
+    slot = Slot(NAME, "", 2)
+    a, b, c = submit(store, 3)
+    first, second = (store.claim(i, owner, "w", slot=slot) for i in (a, b))
+    assert isinstance(first, Claim) and isinstance(second, Claim)
+    assert store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done", holds_slot=True)
+    assert freed.pairs == ([] if store.is_pg else [(NAME, "")])
+    freed.pairs.clear()
+    assert isinstance(store.claim(c, owner, "w", slot=slot), Claim)
+    waiting = submit(store, 1)[0]
+    assert isinstance(store.claim(waiting, owner, "w", slot=slot), Refusal)
+    freed.pairs.clear()
+    assert store.finish(second.lease, S.SUCCEEDED, actor="task", reason="done", holds_slot=True)
+    assert freed.pairs == [(NAME, "")]
+    assert [p.id for p in store.grant(freed.pairs)] == [waiting]

@@ -362,7 +362,7 @@ def test_a_version_13_database_gains_the_rate_column_and_keeps_its_rows_and_slot
         table = store.engine.dialect.identifier_preparer.format_table(t.concurrency)
         # (and the columns versions 15 and 16 added after it: a migration adds a column
         # last)
-        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN takes")
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN changes")
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN last_start_at")
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN next_start_at")
         conn.execute(t.version.delete().where(t.version.c.version > 13))
@@ -420,7 +420,7 @@ def test_a_version_14_database_gains_the_last_start_and_keeps_its_rows_slots_and
         paced_eta = conn.execute(select(t.tasks.c.eta).where(t.tasks.c.id == "paced")).scalar()
     with store.engine.begin() as conn:  # the database as schema version 14 left it
         table = store.engine.dialect.identifier_preparer.format_table(c)
-        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN takes")  # (version 16's)
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN changes")  # (version 16's)
         conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN last_start_at")
         conn.execute(t.version.delete().where(t.version.c.version > 14))
     assert store.schema_version() == 14
@@ -458,7 +458,7 @@ def test_a_version_14_database_gains_the_last_start_and_keeps_its_rows_slots_and
     assert last is not None  # its start is recorded
 
 
-def test_a_version_15_database_gains_the_count_of_takes_and_keeps_its_slots(make_store):
+def test_a_version_15_database_gains_the_count_of_changes_and_keeps_its_slots(make_store):
     store = make_store(migrate=False)
     store.migrate()
     full = schema_snapshot(store.engine, store.config.schema)
@@ -490,7 +490,7 @@ def test_a_version_15_database_gains_the_count_of_takes_and_keeps_its_slots(make
     c = t.concurrency
     with store.engine.begin() as conn:  # the database as schema version 15 left it
         table = store.engine.dialect.identifier_preparer.format_table(c)
-        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN takes")
+        conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN changes")
         conn.execute(t.version.delete().where(t.version.c.version > 15))
     assert store.schema_version() == 15
 
@@ -498,19 +498,19 @@ def test_a_version_15_database_gains_the_count_of_takes_and_keeps_its_slots(make
     assert schema_snapshot(store.engine, store.config.schema) == full
     assert {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)} == before
     with store.engine.connect() as conn:
-        assert conn.execute(select(c.c.key, c.c.takes)).all() == [("k", 0)]
+        assert conn.execute(select(c.c.key, c.c.changes)).all() == [("k", 0)]
     # the slot taken before the migration still counts; the waiting row still waits
     (usage,) = store.slot_usage()
     assert (usage.key, usage.limit, usage.running, usage.waiting) == ("k", 1, 1, 1)
     assert store.finish(running.lease, State.SUCCEEDED, actor="t", reason="ok")
     assert [p.id for p in store.grant([("t", "k")])] == ["waiting"]
-    # the key counts its takes from the migration on: the grant's, then the claim's
+    # the key counts its changes from the migration on: the grant's, then the claim's
     with store.engine.connect() as conn:
-        takes = conn.execute(select(c.c.takes)).scalar_one()
-    assert takes > 0
+        changes = conn.execute(select(c.c.changes)).scalar_one()
+    assert changes > 0
     assert isinstance(store.claim("waiting", owner, "w", slot=slot), Claim)
     with store.engine.connect() as conn:
-        assert conn.execute(select(c.c.takes)).scalar_one() == takes + 1
+        assert conn.execute(select(c.c.changes)).scalar_one() == changes + 1
 
 
 def test_a_version_11_database_gains_the_revision_column_and_keeps_its_rows(make_store):

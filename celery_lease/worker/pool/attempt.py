@@ -393,6 +393,7 @@ def outcome(
             result=result,
             error=error,
             follow_ups=follow_ups,
+            holds_slot=execution.holds_slot,
         )
     except StoreError:
         if _kept_by_writer(task, execution, rt, written):

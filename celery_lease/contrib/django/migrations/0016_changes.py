@@ -1,6 +1,7 @@
-"""Schema version 16: ``concurrency.takes``, the slots ever taken under a limited task's
-key. Every claim and grant adds one under the key's lock, so that a claim made in one
-statement can tell whether another took a slot between its snapshot and its lock.
+"""Schema version 16: ``concurrency.changes``, the changes of a limited task's key. Every
+claim, grant and waiting mark adds one under the key's lock, so that a claim or a free
+made in one statement can tell whether another changed the key between its snapshot
+and its lock.
 
 The database side runs the lease store's own steps again (they add the column where it
 is missing); the concurrency table has no model, so the state side has nothing to change.
