@@ -272,17 +272,20 @@ class Claims(Slots):
         return where, values, (t.c.retries, t.c.recoveries, t.c.cancel_requested_at)
 
     def _claim_slot_spec(
-        self,
+        self, unseen: ColumnElement[int] | None = None
     ) -> tuple[list[ColumnElement[bool]], dict[str, Any], tuple[Any, ...]]:
         """The claim of a limited task (bind parameters ``b_slot_name``, ``b_slot_key``,
         ``b_limit`` besides the claim's): it moves the row only while the slots in use
-        under the key are fewer than the limit, and records the key the row counts under."""
+        under the key are fewer than the limit, and records the key the row counts under.
+        ``unseen``: at most how many slots were taken that the count cannot see."""
         t = self.t.tasks
         where, values, returning = self._claim_spec()
         name = bindparam("b_slot_name", type_=t.c.name.type)
         key = bindparam("b_slot_key", type_=t.c.slot_key.type)
         exclude = bindparam("b_task_id", type_=t.c.id.type)
         used = holders(t, self.t.workers, name, key, exclude=exclude)
+        if unseen is not None:
+            used = used + unseen
         where = [*where, used < bindparam("b_limit", type_=Integer)]
         values = {**values, "slot_key": key, "slot": None}
         return where, values, returning
@@ -495,24 +498,25 @@ class Claims(Slots):
         """PostgreSQL: a limited claim (concurrency limit, no rate) in one statement.
 
         A statement reads one snapshot, taken before it waits for the key's lock, so
-        its count of the slots in use may miss a take committed while it waited. The
-        key's ``changes`` tells: every claim, grant and waiting mark of the key adds one
-        to it under the lock (:meth:`lock_slot`, :meth:`_grant`). The statement takes the lock with
-        that upsert, which returns the newest count (after the wait), and moves the row
-        only if that is one more than the count of its own snapshot: no other take
-        committed between the snapshot and the lock, so the slots it counted are the
-        slots in use. A free committed meanwhile only makes the count one too high,
-        which can refuse a claim, never let one through. Any other answer (another
-        take, the key full, the row not due, no row) is decided by the transaction of
+        its count of the slots in use misses the takes committed while it waited. The
+        key's ``changes`` bounds them: every claim, grant and waiting mark of the key
+        adds one to it under the lock (:meth:`lock_slot`, :meth:`_grant`). The
+        statement takes the lock with that upsert, which returns the newest count
+        (after the wait), so the changes committed between its snapshot and its lock
+        are that count less one less its snapshot's: it moves the row only if the slots
+        its snapshot counts, plus those changes (each at most one take), are fewer than
+        the limit. A free committed meanwhile only makes the count one too high, which
+        can refuse a claim, never let one through. So a limit far from reached needs
+        no transaction however many claims of the key meet; any other answer (the key
+        full or nearly, the row not due, no row) is decided by the transaction of
         :meth:`claim`, as before."""
         c = self.t.concurrency
         lock = self._lock_slot_statement().returning(c.c.changes).cte("slot_lock")
         name = bindparam("b_slot_name", type_=String)
         key = bindparam("b_slot_key", type_=String)
         seen = select(c.c.changes).where(c.c.name == name, c.c.key == key).scalar_subquery()
-        alone = select(lock.c.changes).scalar_subquery() == seen + 1
-        where, values, returning = self._claim_slot_spec()
-        return self._claim_one_pg([*where, alone], values, returning, lock)
+        unseen = select(lock.c.changes).scalar_subquery() - seen - 1
+        return self._claim_one_pg(*self._claim_slot_spec(unseen), lock)
 
     def _adopt(self, conn: Connection, new: NewTask) -> None:
         t = self.t.tasks

@@ -181,7 +181,7 @@ class UncountedClaims(Store):
     its ``WHERE`` leaves out the count of the slots in use below the limit. Every due
     delivery is then claimed, whatever the limit."""
 
-    def _claim_slot_spec(self) -> Any:
+    def _claim_slot_spec(self, unseen: Any = None) -> Any:
         t = self.t.tasks
         where, values, returning = self._claim_spec()
         key = bindparam("b_slot_key", type_=t.c.slot_key.type)
