@@ -362,10 +362,14 @@ def job(i, pause):
 """
 
 
-def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float) -> dict:
+def with_workers(
+    ctx: Context, variant: str, options: str, n: int, pause: float, *, backlog: bool = True
+) -> dict:
     """N tasks through three prefork workers (2 processes each) on Redis: the rate of
     completions, every claim's time, and for each run that waited for a slot, end ->
-    next claim."""
+    next claim. ``backlog``: the N tasks are queued before the workers consume any
+    (the rate and CPU are then the workers' own); without it they are submitted while
+    the workers run them (the rate round, as it was measured)."""
     from sqlalchemy import func, select
 
     from celery_lease._runtime import runtime
@@ -401,11 +405,23 @@ def with_workers(ctx: Context, variant: str, options: str, n: int, pause: float)
             ]
             for worker in workers:
                 worker.wait_ready()
+            # the whole backlog first, the workers consuming nothing meanwhile: the rate
+            # and the CPU are the workers' on a full queue, not the submitting loop's
+            # (3,000 leased submissions take longer than the workers take to run them)
+            control = module.app.control
+            if backlog:
+                stopped = control.cancel_consumer(queue, reply=True, timeout=10)
+                assert len(stopped) == len(workers), f"cancel_consumer: {stopped}"
+                ids = [module.job.delay(i, pause).id for i in range(n)]
             # the CPU the workers (every process of each) and their database sessions
             # spend on the run: on a machine that others share, steadier than the rate
             worker_pids = [pid for worker in workers for pid in worker.group()]
             cpu0, db0 = proc_cpu_each(worker_pids), proc_cpu_each(pg_backends())
-            ids = [module.job.delay(i, pause).id for i in range(n)]
+            if backlog:
+                started = control.add_consumer(queue, reply=True, timeout=10)
+                assert len(started) == len(workers), f"add_consumer: {started}"
+            else:
+                ids = [module.job.delay(i, pause).id for i in range(n)]
             wait_for(
                 lambda: any(w.check_alive() for w in workers) or done_count(done) >= n,
                 ctx.scale(600.0, 120.0),
@@ -501,7 +517,7 @@ def rate_round(ctx: Context) -> dict:
     per_second = ctx.scale(50, 20)
     rate = f"global_rate_limit='{per_second}/s'"
     ctx.log(f"limits: workers, {rate} (load {loadavg()})")
-    paced = with_workers(ctx, rate, f", {rate}", ctx.scale(3000, 20), 0.0)
+    paced = with_workers(ctx, rate, f", {rate}", ctx.scale(3000, 20), 0.0, backlog=False)
     starts = sorted(paced["starts"])
     span = starts[-1] - starts[0] if len(starts) > 1 else float("nan")
     # starts in each whole second from the first, the last (partial) second left out
