@@ -330,32 +330,43 @@ def test_a_version_12_database_gains_the_concurrency_slots_and_keeps_its_rows(ma
     assert record is not None and record.state is State.PENDING
 
 
-def test_a_version_13_database_gains_the_rate_column_and_keeps_its_rows_and_slots(make_store):
-    store = make_store(migrate=False)
-    store.migrate()
-    full = schema_snapshot(store.engine, store.config.schema)
+def _rows_of_a_limited_key(store: Any, more: tuple[str, ...] = ()) -> tuple[str, Slot, Claim]:
+    """A worker and rows of task ``t`` in several states: ``pending``, ``running`` (the
+    one slot of key ``k``), ``waiting`` for it, ``done`` and ``manual`` (WAIT_MANUAL),
+    and ``more`` submitted and published, left to the caller. (The worker's id, the
+    slot, the running row's claim.)"""
     owner = uuid.uuid4().hex
     store.register_worker(owner, "w@host", "host", 1)
-
-    def task(task_id: str) -> NewTask:
-        return NewTask(
-            id=task_id, name="t", args="[]", kwargs="{}", options=None, lease_ttl=30,
-            max_recoveries=5,
-        )  # fmt: skip
-
-    for task_id in ("pending", "running", "waiting", "done", "manual"):
-        store.submit(task(task_id))
-    store.mark_published(["pending", "running", "waiting", "done", "manual"])
+    ids = ("pending", "running", "waiting", "done", "manual", *more)
+    for task_id in ids:
+        store.submit(
+            NewTask(
+                id=task_id,
+                name="t",
+                args="[]",
+                kwargs="{}",
+                options=None,
+                lease_ttl=30,
+                max_recoveries=5,
+            )
+        )
+    store.mark_published(list(ids))
     slot = Slot("t", "k", 1)
     running = store.claim("running", owner, "w", slot=slot)
     assert isinstance(running, Claim)
     assert isinstance(store.claim("waiting", owner, "w", slot=slot), Refusal)
-    done = store.claim("done", owner, "w")
-    assert isinstance(done, Claim)
-    assert store.finish(done.lease, State.SUCCEEDED, actor="t", reason="ok")
-    manual = store.claim("manual", owner, "w")
-    assert isinstance(manual, Claim)
-    assert store.finish(manual.lease, State.WAIT_MANUAL, actor="t", reason="look")
+    for task_id, to in (("done", State.SUCCEEDED), ("manual", State.WAIT_MANUAL)):
+        claim = store.claim(task_id, owner, "w")
+        assert isinstance(claim, Claim)
+        assert store.finish(claim.lease, to, actor="t", reason="ended")
+    return owner, slot, running
+
+
+def test_a_version_13_database_gains_the_rate_column_and_keeps_its_rows_and_slots(make_store):
+    store = make_store(migrate=False)
+    store.migrate()
+    full = schema_snapshot(store.engine, store.config.schema)
+    _, _, running = _rows_of_a_limited_key(store)
     before = {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)}
     t = store.t
     with store.engine.begin() as conn:  # the database as schema version 13 left it
@@ -384,34 +395,12 @@ def test_a_version_14_database_gains_the_last_start_and_keeps_its_rows_slots_and
     store = make_store(migrate=False)
     store.migrate()
     full = schema_snapshot(store.engine, store.config.schema)
-    owner = uuid.uuid4().hex
-    store.register_worker(owner, "w@host", "host", 1)
-
-    def task(task_id: str) -> NewTask:
-        return NewTask(
-            id=task_id, name="t", args="[]", kwargs="{}", options=None, lease_ttl=30,
-            max_recoveries=5,
-        )  # fmt: skip
-
-    ids = ("pending", "running", "waiting", "started", "paced", "done", "manual")
-    for task_id in ids:
-        store.submit(task(task_id))
-    store.mark_published(list(ids))
-    slot = Slot("t", "k", 1)
-    running = store.claim("running", owner, "w", slot=slot)
-    assert isinstance(running, Claim)
-    assert isinstance(store.claim("waiting", owner, "w", slot=slot), Refusal)
+    owner, _, running = _rows_of_a_limited_key(store, more=("started", "paced"))
     # a rate-limited key: one start taken, the next delivery paced to a start 60 s on
     rate = Slot("t", "r", 0, interval=60.0)
     assert isinstance(store.claim("started", owner, "w", slot=rate), Claim)
     paced = store.claim("paced", owner, "w", slot=rate)
     assert isinstance(paced, Refusal) and paced.paced
-    done = store.claim("done", owner, "w")
-    assert isinstance(done, Claim)
-    assert store.finish(done.lease, State.SUCCEEDED, actor="t", reason="ok")
-    manual = store.claim("manual", owner, "w")
-    assert isinstance(manual, Claim)
-    assert store.finish(manual.lease, State.WAIT_MANUAL, actor="t", reason="look")
     before = {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)}
     t = store.t
     c = t.concurrency
@@ -462,29 +451,7 @@ def test_a_version_15_database_gains_the_count_of_changes_and_keeps_its_slots(ma
     store = make_store(migrate=False)
     store.migrate()
     full = schema_snapshot(store.engine, store.config.schema)
-    owner = uuid.uuid4().hex
-    store.register_worker(owner, "w@host", "host", 1)
-
-    def task(task_id: str) -> NewTask:
-        return NewTask(
-            id=task_id, name="t", args="[]", kwargs="{}", options=None, lease_ttl=30,
-            max_recoveries=5,
-        )  # fmt: skip
-
-    ids = ("pending", "running", "waiting", "done", "manual")
-    for task_id in ids:
-        store.submit(task(task_id))
-    store.mark_published(list(ids))
-    slot = Slot("t", "k", 1)
-    running = store.claim("running", owner, "w", slot=slot)
-    assert isinstance(running, Claim)
-    assert isinstance(store.claim("waiting", owner, "w", slot=slot), Refusal)
-    done = store.claim("done", owner, "w")
-    assert isinstance(done, Claim)
-    assert store.finish(done.lease, State.SUCCEEDED, actor="t", reason="ok")
-    manual = store.claim("manual", owner, "w")
-    assert isinstance(manual, Claim)
-    assert store.finish(manual.lease, State.WAIT_MANUAL, actor="t", reason="look")
+    owner, slot, running = _rows_of_a_limited_key(store)
     before = {r.id: (r.state, r.attempt) for r in store.list_tasks(limit=100)}
     t = store.t
     c = t.concurrency
