@@ -21,13 +21,13 @@ Taking one is serialized per (name, key) by the row of the ``concurrency`` table
   reaper's :meth:`Slots.take_waiting` as the backstop) locks it, counts, and marks the
   oldest waiting rows ``slot='granted'``, reserved for publishing.
 
-Both add one to the key's ``changes`` under the lock (a claim's waiting mark is made
-in its transaction, so it counts too). On PostgreSQL a claim tries first to do it all
-in one statement (lock, count, move, audit row): its count reads the statement's
-snapshot, taken before it waited for the lock, so it moves the row only if the
-``changes`` its lock returns is one more than its snapshot's, that is, if no other
-claim or grant of the key committed in between; otherwise (or when the key is full,
-or the row not due) the transaction above decides.
+Both add to the key's ``changes`` under the lock, one per slot taken or given at
+least (a claim's waiting mark is made in its transaction, so it counts too). On
+PostgreSQL a claim tries first to do it all in one statement (lock, count, move, audit
+row): its count reads the statement's snapshot, taken before it waited for the lock,
+so it counts each change its lock returns beyond its snapshot's (less its own) as one
+slot taken that the snapshot missed; when that makes the key full, or the row is not
+due, the transaction above decides.
 
 A free does not take the lock: it commits first, then grants. A grant asks first,
 outside a transaction, whether the key has a row waiting: a key with none, the usual
@@ -313,10 +313,12 @@ class Slots(StoreBase):
             )
             .returning(t.c.id, *self._publishable_columns())
         ).all()
+        # one change per slot given: a claim in one statement counts each change it did
+        # not see as at most one slot taken (see Claims._claim_slot_pg)
         conn.execute(
             update(c)
             .where(c.c.name == name, c.c.key == key)
-            .values(served_at=db_now(), changes=c.c.changes + 1)
+            .values(served_at=db_now(), changes=c.c.changes + len(rows))
         )
         return self._publishable(rows)
 

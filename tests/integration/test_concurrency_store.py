@@ -617,6 +617,82 @@ def test_a_claim_in_one_statement_counts_again_after_a_take_it_waited_for(store)
     assert [p.id for p in store.grant(freed.pairs)] == [b]
 
 
+def _waiting_on(store: Store, table: Any) -> int:
+    """Sessions waiting for a lock on ``table``."""
+    with psycopg.connect(_libpq_url(store.config.database_url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(DISTINCT pid) FROM pg_locks "
+            "WHERE NOT granted AND relation = %s::regclass",
+            (table.fullname,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _granted(store: Store) -> int:
+    t = store.t.tasks
+    with store.engine.connect() as conn:
+        return int(
+            conn.execute(
+                select(func.count()).where(t.c.name == NAME, t.c.slot == "granted")
+            ).scalar_one()
+        )
+
+
+def test_a_claim_in_one_statement_counts_every_row_a_grant_it_waited_for_gave_a_slot(store):
+    """A grant can give several slots at once; the claim in one statement counts the
+    changes of its key committed while it waited for the lock, each as at most one
+    slot, so a grant counts as many changes as the rows it gave slots to. Made to
+    happen: limit 3, two rows waiting, two slots freed; the grant takes the key's lock
+    and waits (another session holds the pauses table it reads); a claim takes its
+    snapshot (one slot in use) and waits for the lock; the grant gives both slots and
+    commits. The claim must find the key full."""
+    if not store.is_pg:
+        pytest.skip("SQLite claims a limited row in a transaction that takes the lock first")
+    Freed(store)  # frees grant nothing by themselves: the test's grant does
+    owner = register(store)
+    slot = Slot(NAME, "", 3)
+    x1, x2, x3, w1, w2, c = submit(store, 6)
+    running = [store.claim(x, owner, "w", slot=slot) for x in (x1, x2, x3)]
+    assert all(isinstance(r, Claim) for r in running)
+    for w in (w1, w2):
+        refused = store.claim(w, owner, "w", slot=slot)
+        assert isinstance(refused, Refusal) and refused.waiting
+    for done in running[:2]:
+        assert isinstance(done, Claim)
+        assert store.finish(done.lease, S.SUCCEEDED, actor="task", reason="done", holds_slot=True)
+    assert running_under(store, "") == 1
+    pauses = store.t.pauses
+    holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
+    holder.execute(f"LOCK TABLE {pauses.fullname} IN ACCESS EXCLUSIVE MODE")
+    got: dict[str, Any] = {}
+
+    def grant() -> None:
+        got["grant"] = store.grant([(NAME, "")])
+
+    def claim() -> None:
+        got["claim"] = store.claim(c, owner, "w", slot=slot)
+
+    granting = threading.Thread(target=grant, daemon=True)
+    claiming = threading.Thread(target=claim, daemon=True)
+    try:
+        granting.start()
+        wait_until(lambda: _waiting_on(store, pauses) >= 1, message="the grant waits")
+        claiming.start()
+        # the claim, past its snapshot, and the grant both wait, each holding a lock
+        wait_until(
+            lambda: _waiting_on_a_row_lock(store) >= 2, message="the claim waits for the key's lock"
+        )
+    finally:
+        holder.rollback()
+        holder.close()
+    for thread in (granting, claiming):
+        thread.join(30)
+        assert not thread.is_alive()
+    assert sorted(p.id for p in got["grant"]) == sorted([w1, w2])
+    assert isinstance(got["claim"], Refusal) and got["claim"].waiting, got["claim"]
+    assert running_under(store, "") + _granted(store) == 3
+
+
 def test_a_free_that_reads_no_row_waiting_in_its_statement_is_granted_when_a_mark_came_first(
     store,
 ):
