@@ -44,7 +44,7 @@ from ..states import STEP_DONE as DONE
 from ..states import STEP_STARTED as STARTED
 from ..states import State
 from ._base import state_is
-from ._slots import PACED, Slots, holders, paced_reason, waiting_reason
+from ._slots import KEY_IDLE_FOR, PACED, Slots, holders, paced_reason, waiting_reason
 from ._types import (
     Claim,
     FenceResult,
@@ -514,7 +514,13 @@ class Claims(Slots):
         lock = self._lock_slot_statement().returning(c.c.changes).cte("slot_lock")
         name = bindparam("b_slot_name", type_=String)
         key = bindparam("b_slot_key", type_=String)
-        seen = select(c.c.changes).where(c.c.name == name, c.c.key == key).scalar_subquery()
+        # A key unused for KEY_IDLE_FOR has its row deleted by the purge, and the next
+        # claim makes it again with a count that starts over, lower than the one this
+        # snapshot may have seen: only a row used within half that time is compared
+        # (the purge cannot delete it while this statement waits); with an older one,
+        # or none, the count is NULL, the row does not move, the transaction decides.
+        recent = c.c.updated_at > after(db_now(), -KEY_IDLE_FOR / 2)
+        seen = select(c.c.changes).where(c.c.name == name, c.c.key == key, recent).scalar_subquery()
         unseen = select(lock.c.changes).scalar_subquery() - seen - 1
         return self._claim_one_pg(*self._claim_slot_spec(unseen), lock)
 

@@ -693,6 +693,52 @@ def test_a_claim_in_one_statement_counts_every_row_a_grant_it_waited_for_gave_a_
     assert running_under(store, "") + _granted(store) == 3
 
 
+def test_claims_in_one_statement_never_trust_a_key_row_purged_while_they_waited(store):
+    """A key unused for an hour has its row deleted (``purge_idle_keys``), and the
+    next claim makes it again, its count of changes starting over. A claim in one
+    statement whose snapshot saw the old row, with its higher count, must not read the
+    new row's count as fewer changes than none. Made to happen: the idle key's row is
+    deleted by another session, which holds it while two claims, limit 1, take their
+    snapshots (the old row, no slot in use) and wait for it; the delete commits. One
+    claim runs, the other waits for the slot."""
+    if not store.is_pg:
+        pytest.skip("SQLite claims a limited row in a transaction that takes the lock first")
+    Freed(store)
+    owner = register(store)
+    slot = Slot(NAME, "", 1)
+    *earlier, a, b = submit(store, 5)
+    for task_id in earlier:  # the key's count of changes is well above one
+        done = store.claim(task_id, owner, "w", slot=slot)
+        assert isinstance(done, Claim)
+        assert store.finish(done.lease, S.SUCCEEDED, actor="task", reason="done")
+    c = store.t.concurrency
+    with store.engine.begin() as conn:  # unused for two hours: the purge may delete it
+        conn.execute(update(c).values(updated_at=after(c.c.updated_at, -7200.0)))
+    holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
+    holder.execute(f"DELETE FROM {c.fullname} WHERE name = %s AND key = ''", (NAME,))
+    got: dict[str, Any] = {}
+
+    def claim(task_id: str) -> None:
+        got[task_id] = store.claim(task_id, owner, "w", slot=slot)
+
+    claims = [threading.Thread(target=claim, args=(i,), daemon=True) for i in (a, b)]
+    try:
+        for thread in claims:
+            thread.start()
+        wait_until(lambda: _waiting_on_a_row_lock(store) >= 2, message="both wait for the key")
+        holder.commit()
+    finally:
+        holder.close()
+    for thread in claims:
+        thread.join(30)
+        assert not thread.is_alive()
+    ran = [i for i in (a, b) if isinstance(got[i], Claim)]
+    assert len(ran) == 1, got
+    assert running_under(store, "") == 1
+    other = got[b if ran == [a] else a]
+    assert isinstance(other, Refusal) and other.waiting
+
+
 def test_a_free_that_reads_no_row_waiting_in_its_statement_is_granted_when_a_mark_came_first(
     store,
 ):
