@@ -219,6 +219,8 @@ class Harness:
     registry: ProcessRegistry = dataclasses.field(default_factory=ProcessRegistry)
     stores: list[Store] = dataclasses.field(default_factory=list)
     finalizers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    #: Where the PostgreSQL server's log stood when the test began (see pg_log_since).
+    pg_log_at: int | None = dataclasses.field(default_factory=lambda: _pg_log_size())
 
     def track(self, store: Store) -> Store:
         self.stores.append(store)
@@ -349,7 +351,48 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         h = item.stash.get(_HARNESS, None)
         if h is not None and h.registry.workers:
             report.sections.append(("celery worker logs (tail)", h.registry.failure_report()))
+        if h is not None and h.pg_log_at is not None:
+            report.sections.append(
+                ("PostgreSQL server log since the test began", pg_log_since(h.pg_log_at))
+            )
     return report
+
+
+#: The PostgreSQL server's log (Debian's cluster log; the session database logs lock
+#: waits and slow statements there, see ``pg_url``): a failed test shows what the
+#: server logged meanwhile, from every session, so a stall names its cause.
+_PG_LOGS = sorted(Path("/var/log/postgresql").glob("postgresql-*-main.log"))
+_PG_LOG = _PG_LOGS[-1] if _PG_LOGS else None
+#: Most lines of it a failed test's report shows (the last ones).
+_PG_LOG_LINES = 120
+
+
+def _pg_log_size() -> int | None:
+    if _PG_LOG is None:
+        return None
+    try:
+        return _PG_LOG.stat().st_size
+    except OSError:
+        return None
+
+
+def pg_log_since(offset: int) -> str:
+    """What the server logged after ``offset`` (its last lines); a log rotated or
+    truncated meanwhile is read from its start."""
+    assert _PG_LOG is not None
+    try:
+        with _PG_LOG.open("rb") as f:
+            if f.seek(0, os.SEEK_END) < offset:
+                offset = 0
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError as error:
+        return f"(not readable: {error})"
+    if not lines:
+        return "(nothing)"
+    skipped = len(lines) - _PG_LOG_LINES
+    shown = lines[-_PG_LOG_LINES:]
+    return "\n".join(([f"({skipped} earlier lines not shown)"] if skipped > 0 else []) + shown)
 
 
 # -- PostgreSQL ---------------------------------------------------------------------------
@@ -410,6 +453,11 @@ def pg_url() -> Iterator[str]:
                 PG_ADMIN_URL,
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident),
                 sql.SQL("CREATE DATABASE {}").format(ident),
+                # a wait for a lock longer than deadlock_timeout (1 s) and a statement
+                # longer than 2 s are logged, with what they waited for: shown in the
+                # report of a test that fails (see pg_log_since)
+                sql.SQL("ALTER DATABASE {} SET log_lock_waits = on").format(ident),
+                sql.SQL("ALTER DATABASE {} SET log_min_duration_statement = 2000").format(ident),
             )
     except psycopg.OperationalError as exc:
         pytest.fail(
