@@ -208,9 +208,86 @@ def parts(ctx: Context) -> list[dict]:
     ]
 
 
+#: Processes claiming and freeing one key at once in :func:`contended` (the pool
+#: processes of issue 26's three workers of two).
+CONTENDERS = 6
+
+
+def _contender(schema: str, limit: int, n: int, results: Any, go: Any, read: Any) -> None:
+    """One process of :func:`contended`: ``n`` lifecycles of its own rows, one by one as
+    a pool process runs limited tasks; reports its CPU and the grants its frees asked
+    for."""
+    from celery_lease.states import State
+    from celery_lease.store import Claim, Slot
+
+    store = _store(schema)
+    asked = 0
+    granting = store.on_slots_freed
+
+    def hook(pairs: Any) -> None:
+        nonlocal asked
+        asked += 1
+        granting(pairs)
+
+    store.on_slots_freed = hook
+    try:
+        owner, ids = _published(store, n)
+        slot = Slot("bench.noop", "", limit)
+        results.put("ready")
+        go.wait(120)
+        c0 = time.process_time()
+        for task_id in ids:
+            claim = store.claim(task_id, owner, "bench", slot=slot)
+            assert isinstance(claim, Claim), claim
+            assert store.finish(
+                claim.lease, State.SUCCEEDED, actor="bench", reason="ok", holds_slot=True
+            )
+        results.put((time.process_time() - c0, asked))
+        read.wait(120)  # the connection stays open until its backend's CPU is read
+    finally:
+        store.dispose()
+
+
+def contended(ctx: Context, limit: int) -> dict:
+    """:data:`CONTENDERS` processes claiming and freeing rows of one key at once (a
+    limit of ``limit``): CPU per lifecycle, and how many frees asked for a grant."""
+    import multiprocessing
+
+    n = ctx.scale(400, 20)
+    # forked: the processes name their connections as the benchmark does (PG_APP_NAME)
+    mp = multiprocessing.get_context("fork")
+    results = mp.Queue()
+    go, read = mp.Event(), mp.Event()
+    with pg_schema("limits_contended") as schema:
+        _store(schema).dispose()  # migrated once, before the processes start
+        procs = [
+            mp.Process(target=_contender, args=(schema, limit, n, results, go, read))
+            for _ in range(CONTENDERS)
+        ]
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            assert results.get(timeout=120) == "ready"
+        d0 = proc_cpu_each(pg_backends())
+        go.set()
+        got = [results.get(timeout=600) for _ in procs]
+        pg = proc_cpu_since(d0, pg_backends())
+        read.set()
+        for proc in procs:
+            proc.join(30)
+    total = n * CONTENDERS
+    return {
+        "variant": f"concurrency_limit={limit}",
+        "n": total,
+        "client_ms": sum(cpu for cpu, _ in got) / total * 1000,
+        "pg_ms": pg / total * 1000,
+        "grants": sum(asked for _, asked in got) / total,
+    }
+
+
 def run_parts(ctx: Context) -> Section:
     """claims and outcomes in the store, measured apart: one by one and in batches,
-    unlimited and limited (a minute)"""
+    unlimited and limited; then six processes claiming and freeing one key (a minute)"""
     section = Section("limits-parts", "15. Concurrency limits: claims and outcomes, apart")
     rows = parts(ctx)
     section.lines += table(
@@ -228,8 +305,36 @@ def run_parts(ctx: Context) -> Section:
             for r in rows
         ],
     )
+    ctx.log(f"limits: {CONTENDERS} processes, one key")
+    shared = [contended(ctx, limit) for limit in (1000, CONTENDERS)]
+    section.lines += [
+        "",
+        f"{CONTENDERS} processes claiming and freeing rows of one key:",
+        "",
+    ]
+    section.lines += table(
+        [
+            "variant",
+            "N",
+            "client CPU ms / task",
+            "PostgreSQL CPU ms / task",
+            "both",
+            "grants asked per free",
+        ],
+        [
+            [
+                r["variant"],
+                r["n"],
+                r["client_ms"],
+                r["pg_ms"],
+                r["client_ms"] + r["pg_ms"],
+                r["grants"],
+            ]
+            for r in shared
+        ],
+    )
     section.lines += ["", f"Load average at the end: {loadavg()}."]
-    section.data = {"parts": rows}
+    section.data = {"parts": rows, "contended": shared}
     return section
 
 

@@ -499,12 +499,13 @@ class Claims(Slots):
 
         A statement reads one snapshot, taken before it waits for the key's lock, so
         its count of the slots in use misses the takes committed while it waited. The
-        key's ``changes`` bounds them: every claim, grant and waiting mark of the key
-        adds one to it under the lock (:meth:`lock_slot`, :meth:`_grant`). The
-        statement takes the lock with that upsert, which returns the newest count
-        (after the wait), so the changes committed between its snapshot and its lock
-        are that count less one less its snapshot's: it moves the row only if the slots
-        its snapshot counts, plus those changes (each at most one take), are fewer than
+        key's ``changes`` bounds them: every claim of the key adds one to it under the
+        lock, a grant one per slot it gives, a waiting mark :data:`~._slots.MARK`
+        (:meth:`lock_slot`, :meth:`_grant`, :meth:`mark_waiting`). The statement
+        takes the lock with that upsert, which returns the newest count (after the
+        wait), so the changes committed between its snapshot and its lock are that
+        count less one less its snapshot's: it moves the row only if the slots its
+        snapshot counts, plus those changes (each at most one take), are fewer than
         the limit. A free committed meanwhile only makes the count one too high, which
         can refuse a claim, never let one through. So a limit far from reached needs
         no transaction however many claims of the key meet; any other answer (the key

@@ -22,7 +22,7 @@ Taking one is serialized per (name, key) by the row of the ``concurrency`` table
   oldest waiting rows ``slot='granted'``, reserved for publishing.
 
 Both add to the key's ``changes`` under the lock, one per slot taken or given at
-least (a claim's waiting mark is made in its transaction, so it counts too). On
+least; a claim's waiting mark, made in its transaction, adds :data:`MARK`. On
 PostgreSQL a claim tries first to do it all in one statement (lock, count, move, audit
 row): its count reads the statement's snapshot, taken before it waited for the lock,
 so it counts each change its lock returns beyond its snapshot's (less its own) as one
@@ -43,8 +43,9 @@ is serialized (``BEGIN IMMEDIATE``), which decides the same way.
 
 On PostgreSQL the outcome of a run that says it holds a slot (the worker's) does that
 read in its own statement instead, and takes the key's lock there (see
-:meth:`Slots._free_pg`): when the key's ``changes`` did not move between its snapshot
-and its lock and no row waits, it asks for no grant at all.
+:meth:`Slots._free_pg`): when no waiting mark of the key committed between its
+snapshot and its lock (its ``changes`` moved by less than :data:`MARK`) and no row
+waits, it asks for no grant at all.
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ from .schema import after, db_now, seconds_between
 
 #: A key's row unused for this long, and used by no row, is deleted (seconds).
 KEY_IDLE_FOR = 3600.0
+
+#: What a waiting mark adds to its key's ``changes`` (a take or a slot given adds one):
+#: a count no number of takes reaches while a statement waits for the key's lock, so a
+#: free can tell a mark from takes by the difference alone (see :meth:`Slots._free_pg`);
+#: 2**43 marks fit before the column (a BigInteger) would overflow.
+MARK = 2**20
 
 #: ``tasks.slot`` of a PENDING row whose delivery found no slot: acked, not in the broker.
 WAITING = "waiting"
@@ -191,8 +198,9 @@ class Slots(StoreBase):
         counted the slot as used may mark a row waiting meanwhile (see the module's
         notes). This statement reads them in its own snapshot instead, and takes the
         key's lock (``FOR UPDATE``, which returns the key's newest row after any wait):
-        if the key's ``changes`` there equal its snapshot's (``settled``), no claim or
-        grant of the key committed between the snapshot and the lock, and none can
+        if the key's ``changes`` there exceed its snapshot's by less than :data:`MARK`
+        (``settled``), no waiting mark of the key committed between the snapshot and
+        the lock (takes and grants may have: they add no waiting row), and none can
         until this commits, so a row marked waiting after it is marked by a claim that
         counts this free. So a free that is ``settled`` and sees no row ``waiting``
         needs no grant; any other is granted after its commit, as before."""
@@ -210,7 +218,7 @@ class Slots(StoreBase):
         return (
             select(
                 moved,
-                (select(locked.c.changes).scalar_subquery() == seen).label("settled"),
+                (select(locked.c.changes).scalar_subquery() - seen < MARK).label("settled"),
                 waiting.label("waiting"),
             )
             .add_cte(locked)
@@ -222,7 +230,7 @@ class Slots(StoreBase):
         whether it was still PENDING. Once the mark is committed, the key is granted
         (:attr:`on_slots_freed`): a slot freed after this claim counted, whose grant
         read before the mark was committed, is given to it then."""
-        t = self.t.tasks
+        t, c = self.t.tasks, self.t.concurrency
         done = conn.execute(
             update(t)
             .where(t.c.id == task_id, state_is(t, State.PENDING))
@@ -234,6 +242,12 @@ class Slots(StoreBase):
             )
         ).rowcount
         if done:
+            # the caller holds the key's lock (see lock_slot)
+            conn.execute(
+                update(c)
+                .where(c.c.name == slot.name, c.c.key == slot.key)
+                .values(changes=c.c.changes + MARK)
+            )
             self._note_grant_due(slot.name, slot.key)
         return bool(done)
 

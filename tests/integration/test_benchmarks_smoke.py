@@ -413,7 +413,7 @@ def test_the_limits_benchmark_prints_claims_and_outcomes_apart(pg_url: str, redi
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
-    (parts,) = _tables(proc.stdout)
+    parts, shared = _tables(proc.stdout)
     assert parts[0][:3] == ["variant", "how", "part"]
     assert [row[:3] for row in parts[1:]] == [
         ["unlimited", "one by one", "claim"],
@@ -425,6 +425,19 @@ def test_the_limits_benchmark_prints_claims_and_outcomes_apart(pg_url: str, redi
     ]
     for row in parts[1:]:
         assert _number(row[3]) == 100 and _number(row[4]) > 0 and _number(row[5]) >= 0
+    # six processes claiming and freeing one key: no row ever waits, so no free asks
+    # for a grant
+    assert shared[0] == [
+        "variant",
+        "N",
+        "client CPU ms / task",
+        "PostgreSQL CPU ms / task",
+        "both",
+        "grants asked per free",
+    ]
+    assert [row[0] for row in shared[1:]] == ["concurrency_limit=1000", "concurrency_limit=6"]
+    for row in shared[1:]:
+        assert _number(row[1]) == 120 and _number(row[2]) > 0 and _number(row[5]) == 0
 
 
 @pytest.mark.postgres
