@@ -49,6 +49,7 @@ from .helpers import (
     check_audit,
     lease_settings,
 )
+from .stalls import WATCH, describe
 
 # -- running in parallel (pytest-xdist) ----------------------------------------------------
 
@@ -188,6 +189,7 @@ def _untracked_files() -> set[str] | None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    WATCH.start()
     if XDIST_WORKER:
         return  # the controlling process checks the whole run
     before = _untracked_files()
@@ -195,9 +197,33 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         session.stash[_LEFT_BEHIND] = before
 
 
+_STALLS = pytest.StashKey[list[Any]]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """An xdist worker ended: keep what its stall watch noted (see ``tests/stalls.py``)."""
+    stalls = node.config.stash.setdefault(_STALLS, [])
+    stalls += getattr(node, "workeroutput", {}).get("stalls", [])
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Every stall of a test process the run noted (any test, failed or not)."""
+    config = terminalreporter.config
+    noted = [*config.stash.get(_STALLS, []), *WATCH.noted]
+    if noted:
+        terminalreporter.section("stalls of the test processes")
+        for line in sorted(describe(n) for n in noted):
+            terminalreporter.write_line(line)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A test run leaves no file in the checkout (a store in the current directory, a
     log, a build): fail the run if one appeared."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its controller reports them
+        workeroutput["stalls"] = [list(n) for n in WATCH.noted]
+        WATCH.noted.clear()
     before = session.stash.get(_LEFT_BEHIND, None)
     after = _untracked_files() if before is not None else None
     if before is None or after is None:
@@ -221,6 +247,8 @@ class Harness:
     finalizers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     #: Where the PostgreSQL server's log stood when the test began (see pg_log_since).
     pg_log_at: int | None = dataclasses.field(default_factory=lambda: _pg_log_size())
+    #: How many stalls of this process were noted before the test began.
+    stalls_at: int = dataclasses.field(default_factory=lambda: len(WATCH.noted))
 
     def track(self, store: Store) -> Store:
         self.stores.append(store)
@@ -338,10 +366,14 @@ def parallel_turn(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def harness(request: pytest.FixtureRequest, parallel_turn: None) -> Iterator[Harness]:
+    WATCH.current = request.node.nodeid
     h = Harness()
     request.node.stash[_HARNESS] = h
-    yield h
-    h.close()
+    try:
+        yield h
+        h.close()
+    finally:
+        WATCH.current = "(between tests)"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -354,6 +386,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         if h is not None and h.pg_log_at is not None:
             report.sections.append(
                 ("PostgreSQL server log since the test began", pg_log_since(h.pg_log_at))
+            )
+        if h is not None:
+            stalls = WATCH.since(h.stalls_at)
+            report.sections.append(
+                ("stalls of this test process", "\n".join(stalls) if stalls else "(none)")
             )
     return report
 
