@@ -268,7 +268,7 @@ class Harness:
             raise errors[0]
 
 
-_HARNESS = pytest.StashKey[Harness]()
+_HARNESS = pytest.StashKey["Harness | None"]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -374,13 +374,22 @@ def harness(request: pytest.FixtureRequest, parallel_turn: None) -> Iterator[Har
         h.close()
     finally:
         WATCH.current = "(between tests)"
+        # the test's item lives as long as the session, and the harness with it (its
+        # stash): its stores, their engines, tables and statement caches must not,
+        # or every test adds to what each full garbage collection of this process
+        # walks (collections of seconds by the end of a run, during which nothing of
+        # this process runs: not a store call's deadline, not a worker's heartbeat)
+        h.stores.clear()
+        h.finalizers.clear()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
+    h = item.stash.get(_HARNESS, None)
+    if report.when == "teardown":
+        item.stash[_HARNESS] = None  # see the harness fixture: nothing of it is needed now
     if report.failed:
-        h = item.stash.get(_HARNESS, None)
         if h is not None and h.registry.workers:
             report.sections.append(("celery worker logs (tail)", h.registry.failure_report()))
         if h is not None and h.pg_log_at is not None:
