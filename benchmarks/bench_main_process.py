@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{median([x.worker_cpu_ms - x.main_cpu_ms for x in rs]):.2f}",
                 f"{median([x.worker_db_cpu_ms for x in rs]):.2f}",
                 f"{median([x.main_busy for x in rs]):.2f}",
-                f"{1000 / main_ms:,.0f}",
+                # a quick run can end before the main process's CPU clock ticks once
+                f"{1000 / main_ms:,.0f}" if main_ms > 0 else "no CPU measured",
             )
         )
     print(
