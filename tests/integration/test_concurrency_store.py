@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -739,6 +739,33 @@ def test_claims_in_one_statement_never_trust_a_key_row_purged_while_they_waited(
     assert isinstance(other, Refusal) and other.waiting
 
 
+def _free_while_it_waits(store: Store, run: Claim, meanwhile: Callable[[], None]) -> bool:
+    """Write ``run``'s outcome (holding its slot) while another session holds its row:
+    the free's statement takes its snapshot and waits; ``meanwhile`` runs then; the
+    row is let go and the free commits. Whether the outcome was written."""
+    t = store.t.tasks
+    holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
+    holder.execute(f"SELECT id FROM {t.fullname} WHERE id = %s FOR UPDATE", (run.lease.task_id,))
+    got: list[bool] = []
+
+    def finish() -> None:
+        got.append(
+            store.finish(run.lease, S.SUCCEEDED, actor="task", reason="done", holds_slot=True)
+        )
+
+    freeing = threading.Thread(target=finish, daemon=True)
+    try:
+        freeing.start()
+        wait_until(lambda: _waiting_on_a_row_lock(store) >= 1, message="the free waits")
+        meanwhile()
+    finally:
+        holder.rollback()
+        holder.close()
+    freeing.join(30)
+    assert not freeing.is_alive()
+    return got == [True]
+
+
 def test_a_free_that_reads_no_row_waiting_in_its_statement_is_granted_when_a_mark_came_first(
     store,
 ):
@@ -753,20 +780,8 @@ def test_a_free_that_reads_no_row_waiting_in_its_statement_is_granted_when_a_mar
     if not store.is_pg:
         pytest.skip("SQLite grants every free after its commit")
     freed, owner, slot, first, b = one_slot_taken(store)
-    t = store.t.tasks
-    holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
-    holder.execute(f"SELECT id FROM {t.fullname} WHERE id = %s FOR UPDATE", (first.lease.task_id,))
-    got: list[bool] = []
 
-    def finish() -> None:
-        got.append(
-            store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done", holds_slot=True)
-        )
-
-    freeing = threading.Thread(target=finish, daemon=True)
-    try:
-        freeing.start()
-        wait_until(lambda: _waiting_on_a_row_lock(store) >= 1, message="the free waits")
+    def claim_meanwhile() -> None:
         # the claim finds the key full (the free is not committed), marks b waiting, and
         # its grant, after its commit, still counts the slot as used
         refused = store.claim(b, owner, "w", slot=slot)
@@ -774,12 +789,8 @@ def test_a_free_that_reads_no_row_waiting_in_its_statement_is_granted_when_a_mar
         assert freed.pairs == [(NAME, "")]
         assert store.grant(freed.pairs) == []
         freed.pairs.clear()
-    finally:
-        holder.rollback()
-        holder.close()
-    freeing.join(30)
-    assert not freeing.is_alive()
-    assert got == [True]
+
+    assert _free_while_it_waits(store, first, claim_meanwhile)
     assert freed.pairs == [(NAME, "")]  # the free asked for its key's grant
     assert [p.id for p in store.grant(freed.pairs)] == [b]
 
@@ -798,27 +809,11 @@ def test_a_free_after_takes_alone_asks_for_no_grant(store):
     a, b = submit(store, 2)
     first = store.claim(a, owner, "w", slot=slot)
     assert isinstance(first, Claim)
-    t = store.t.tasks
-    holder = psycopg.connect(_libpq_url(store.config.database_url), connect_timeout=5)
-    holder.execute(f"SELECT id FROM {t.fullname} WHERE id = %s FOR UPDATE", (a,))
-    got: list[bool] = []
 
-    def finish() -> None:
-        got.append(
-            store.finish(first.lease, S.SUCCEEDED, actor="task", reason="done", holds_slot=True)
-        )
+    def take_meanwhile() -> None:
+        assert isinstance(store.claim(b, owner, "w", slot=slot), Claim)
 
-    freeing = threading.Thread(target=finish, daemon=True)
-    try:
-        freeing.start()
-        wait_until(lambda: _waiting_on_a_row_lock(store) >= 1, message="the free waits")
-        assert isinstance(store.claim(b, owner, "w", slot=slot), Claim)  # a take
-    finally:
-        holder.rollback()
-        holder.close()
-    freeing.join(30)
-    assert not freeing.is_alive()
-    assert got == [True]
+    assert _free_while_it_waits(store, first, take_meanwhile)
     assert freed.pairs == []
     assert running_under(store, "") == 1
 
